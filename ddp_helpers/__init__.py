@@ -1,0 +1,34 @@
+"""Helpers for the ddp-notebooks series: run scripts under real torchrun from a notebook cell.
+
+Names are loaded on first use, so that the bootstrap each worker runs stays lean, and
+importing this package never imports torch (the launcher and command line do not need it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+_EXPORTS = {
+    "torchrun": "ddp_helpers.launcher",
+    "TorchrunError": "ddp_helpers.launcher",
+    "TorchrunResult": "ddp_helpers.launcher",
+    "describe_environment": "ddp_helpers.environment",
+    "choose_backend": "ddp_helpers.environment",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ddp_helpers.environment import choose_backend, describe_environment
+    from ddp_helpers.launcher import TorchrunError, TorchrunResult, torchrun
+
+
+def __getattr__(name: str) -> object:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ddp_helpers' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
