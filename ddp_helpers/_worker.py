@@ -17,6 +17,7 @@ import stat
 import sys
 import threading
 import time
+import types
 
 STACK_SIGNAL = signal.SIGUSR1
 
@@ -93,12 +94,26 @@ def main(argv: list[str]) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         raise
-    except BaseException as e:
+    except Exception as e:
+        # Report as Python would (through sys.excepthook, which torch may have wrapped), minus this shim's frames.
         code = 1
         _write_status(status, event="exception", type=type(e).__name__, message=str(e)[:500], time=time.time())
+        e = e.with_traceback(_user_frames(e.__traceback__))
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
+    except BaseException:
+        code = 1
         raise
     finally:
         _write_status(status, event="exit", code=code, time=time.time())
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """Skip the leading traceback entries that belong to this shim and runpy."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return tb
 
 
 if __name__ == "__main__":
