@@ -300,12 +300,12 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
         for s in (*streams.values(), *agent_streams):
             s.finish()
         _flush()
-        codes, when = _exitcodes(run_dir, world_size, agents)
+        codes, how = _exitcodes(run_dir, world_size, agents)
         result = _result(plain, agents, start, streams, agent_streams, codes)
         if timed_out:
             raise _timeout_error(result, run_dir, world_size, script_path, stacks, timeout)
         if result.returncode != 0:
-            raise _failure_error(result, when)
+            raise _failure_error(result, how)
         return result
     finally:
         # Runs on success, failure, timeout and KeyboardInterrupt alike: nothing outlives the call.
@@ -396,8 +396,19 @@ def _dump_stacks(run_dir: str, world_size: int, streams: Mapping[tuple[str, int]
     return {r: "\n".join(streams["err", r].lines[m:]) for r, m in marks.items()}
 
 
-def _exitcodes(run_dir: str, world_size: int, agents: Sequence[subprocess.Popen]) -> tuple[dict, dict]:
-    """Each rank's exit code (shim record, else torch's failure record) and when it failed."""
+def _last_attempt_exception(events: list[dict]) -> dict | None:
+    found = None
+    for e in events:
+        if e["event"] == "start":
+            found = None
+        elif e["event"] == "exception":
+            found = e
+    return found
+
+
+def _exitcodes(run_dir: str, world_size: int,
+               agents: Sequence[subprocess.Popen]) -> tuple[dict[int, int | None], dict[int, dict]]:
+    """Each rank's exit code (torch's failure record, else the shim's) and, for failed ranks, how and when."""
     failures: dict[int, dict] = {}
     for i in range(len(agents)):
         try:
@@ -406,18 +417,23 @@ def _exitcodes(run_dir: str, world_size: int, agents: Sequence[subprocess.Popen]
         except (FileNotFoundError, ValueError):
             pass
     codes: dict[int, int | None] = {}
-    when: dict[int, float] = {}
+    how: dict[int, dict] = {}
     all_ok = all(a.returncode == 0 for a in agents)
     for r in range(world_size):
-        _, end = _last_attempt(_read_status(run_dir, r))
+        events = _read_status(run_dir, r)
+        _, end = _last_attempt(events)
+        raised = _last_attempt_exception(events)
         if r in failures:
             codes[r] = failures[r]["exitcode"]
-            when[r] = end["time"] if end and end["code"] == codes[r] else failures[r]["timestamp"]
         elif end is not None:
-            codes[r], when[r] = end["code"], end["time"]
+            codes[r] = end["code"]
         else:
             codes[r] = 0 if all_ok else None
-    return codes, when
+        if codes[r] not in (0, None):
+            # The shim's clock is exact; torch's failure timestamp is whole seconds.
+            when = raised["time"] if raised else (end["time"] if end else failures.get(r, {}).get("timestamp"))
+            how[r] = {"time": math.inf if when is None else when, "raised": raised}
+    return codes, how
 
 
 def _result(plain: list[str], agents: Sequence[subprocess.Popen], start: float,
@@ -439,24 +455,38 @@ def _describe_exit(code: int | None) -> str:
     return f"was killed by {name} (exit code {code})" if name else f"exited with code {code}"
 
 
-def _failure_error(result: TorchrunResult, when: Mapping[int, float]) -> TorchrunError:
+def _failure_error(result: TorchrunResult, how: Mapping[int, dict]) -> TorchrunError:
     codes = result.exitcodes
-    failed = [r for r, c in codes.items() if c not in (0, None)]
+    failed = sorted(how)
     if not failed:
         tail = "\n".join(result.agent_output[-20:])
         return TorchrunError(f"torchrun itself failed (exit code {result.returncode}) before any rank "
                              f"reported an error. Its last lines:\n{tail}", result)
-    # SIGTERM is how torchrun stops the survivors, so those ranks come last; then the earliest failure.
-    first = min(failed, key=lambda r: (codes[r] == -signal.SIGTERM, when.get(r, math.inf), r))
+    # A rank that raised beats one that torchrun stopped with SIGTERM; then the earliest wins.
+    first = min(failed, key=lambda r: (how[r]["raised"] is None and codes[r] == -signal.SIGTERM,
+                                       how[r]["time"], r))
+    head = f"rank {first} {_describe_failure(codes[first], how[first]['raised'])}"
     others = [r for r in failed if r != first]
-    head = f"rank {first} {_describe_exit(codes[first])}"
     if others:
         head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
-            f"rank {r} {_describe_exit(codes[r])}" for r in others)
+            f"rank {r} {_describe_failure(codes[r], how[r]['raised'])}" for r in others)
+    early = [r for r, c in codes.items() if c == 0]
+    if early:
+        names = ", ".join(f"rank {r}" for r in early)
+        head += (f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
+                 f"that leaves early (say, skipping a collective) makes its peers fail or hang")
     tb = diagnose.last_traceback(result.stderr[first])
     body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
     return TorchrunError(f"{head}.\n--- rank {first} stderr (last traceback) ---\n{body}", result,
                          rank=first, exitcode=codes[first])
+
+
+def _describe_failure(code: int | None, raised: dict | None) -> str:
+    if raised is None:
+        return _describe_exit(code)
+    if code == 1:
+        return f"raised {raised['type']} (exit code 1)"
+    return f"raised {raised['type']}, then {_describe_exit(code)} while shutting down"
 
 
 def _timeout_error(result: TorchrunResult, run_dir: str, world_size: int, script: str,

@@ -1,0 +1,364 @@
+"""ddp_helpers.torchrun against real torchrun jobs on this machine (gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, wait_for_no_leftovers
+from ddp_helpers import TorchrunError, torchrun
+
+pytestmark = pytest.mark.usefixtures("kernel_unchanged")
+
+HELLO = """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "FOO")}
+    print("plain line from", rank)
+    print(json.dumps({"rank": rank, "sum": t.item(), "argv": sys.argv[1:], "cwd": os.getcwd(), **env}))
+    print("to stderr from", rank, file=sys.stderr)
+    dist.destroy_process_group()
+"""
+
+HANG = """
+    import json, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(json.dumps({"rank": rank, "event": "ready"}), flush=True)
+    if rank == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_records_lines_and_exit_codes(script, capsys):
+    path = script(HELLO)
+    result = torchrun(path, "--lr", 0.1, nproc_per_node=2, timeout=120)
+    records = result.records()
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["sum"] == 3.0 and r["argv"] == ["--lr", "0.1"] for r in records)
+    assert result.records(rank=1) == [records[1]]
+    assert result.stdout[0][0] == "plain line from 0"  # non-JSON lines are kept, not parsed
+    assert result.stderr[1] == ["to stderr from 1"]  # stderr kept apart from stdout
+    assert result.exitcodes == {0: 0, 1: 0} and result.returncode == 0
+    assert result.world_size == 2 and result.duration > 0
+    assert result.command.startswith("torchrun --standalone") and "--nproc-per-node=2" in result.command
+    out, err = capsys.readouterr()
+    assert "[rank 0] plain line from 0\n" in out and "[rank 1] plain line from 1\n" in out
+    assert "[rank 1] to stderr from 1\n" in err and "to stderr" not in out
+    with pytest.raises(KeyError, match="no rank 5"):
+        result.records(rank=5)
+
+
+def test_live_shows_only_chosen_ranks_but_keeps_all(script, capsys):
+    result = torchrun(script(HELLO), nproc_per_node=2, live=[1], timeout=120)
+    out, err = capsys.readouterr()
+    assert "[rank 1]" in out and "[rank 0]" not in out and "[rank 0]" not in err
+    assert result.stdout[0][0] == "plain line from 0"
+
+
+def test_env_and_cwd(script, tmp_path):
+    script(HELLO, name="hello.py")
+    result = torchrun("hello.py", cwd=tmp_path, env={"FOO": 3}, nproc_per_node=1, live=False, timeout=120)
+    (record,) = result.records()
+    assert record["FOO"] == "3" and os.path.realpath(record["cwd"]) == os.path.realpath(tmp_path)
+    assert "FOO" not in os.environ
+
+
+def test_failure_names_first_failing_rank_with_its_traceback(script):
+    path = script("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        def load_batch(step):
+            if dist.get_rank() == 1 and step == 1:
+                raise ValueError("bad batch on purpose")
+        for step in range(3):
+            load_batch(step)
+            dist.all_reduce(torch.ones(1))
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=2, live=False, timeout=120)
+    err = info.value
+    message = str(err)
+    assert isinstance(err, RuntimeError)
+    assert err.rank == 1 and err.exitcode != 0 and not err.timed_out
+    assert message.startswith("rank 1 raised ValueError")
+    assert "ValueError: bad batch on purpose" in message and "in load_batch" in message
+    assert "_worker.py" not in message and "runpy" not in message  # only the user's frames
+    assert len(message.splitlines()) <= 30
+    assert err.result.exitcodes[0] != 0  # the other rank was stopped
+    assert any("ValueError" in line for line in err.result.stderr[1])  # full logs kept
+
+
+def test_long_traceback_is_cut_to_about_twenty_lines(script):
+    chain = "".join(f"def f{i}():\n    f{i + 1}()\n" for i in range(30))
+    path = script(chain + "def f30():\n    raise RuntimeError('deep')\nf0()\n")
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=1, live=False, timeout=120)
+    message = str(info.value)
+    assert "RuntimeError: deep" in message and "in f30" in message and "lines cut" in message
+    assert len(message.splitlines()) <= 25
+
+
+def test_failure_by_signal_is_named(script):
+    path = script("""
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=2, live=False, timeout=120)
+    assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+    assert str(info.value).startswith("rank 1 was killed by SIGKILL (exit code -9)")
+
+
+def test_exit_code_without_exception(script):
+    path = script("""
+        import os, sys
+        sys.exit(3 if os.environ["RANK"] == "0" else 0)
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=2, live=False, timeout=120)
+    assert info.value.rank == 0 and info.value.exitcode == 3
+    assert str(info.value).startswith("rank 0 exited with code 3")
+
+
+def test_hang_is_killed_and_the_culprit_named(script):
+    with pytest.raises(TorchrunError) as info:
+        torchrun(script(HANG), nproc_per_node=2, live=False, timeout=12)
+    err = info.value
+    assert err.timed_out and err.stuck_ranks == [1]
+    message = str(err)
+    assert "rank 1 is busy at job.py:8" in message  # the sleeping line
+    assert "rank 0 waits in torch.distributed `all_reduce` called at job.py:9" in message
+    assert "job.py" in err.stacks[0] and "job.py" in err.stacks[1]
+    assert [r["event"] for r in err.result.records()] == ["ready", "ready"]
+
+
+def test_a_rank_that_leaves_early_is_pointed_out(script):
+    path = script("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.barrier()
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=2, live=False, timeout=60)
+    err = info.value
+    # With gloo, a peer that exits closes its connections, so the waiting rank fails instead of hanging.
+    assert not err.timed_out and err.rank == 0
+    assert "Connection closed by peer" in str(err)
+    assert "rank 1 exited normally (code 0) while the others were still running" in str(err)
+
+
+def test_mismatched_collectives_are_reported(script):
+    path = script("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.barrier()
+        else:
+            dist.recv(torch.zeros(1), src=0)
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=2, live=False, timeout=12)
+    err = info.value
+    assert err.timed_out and err.stuck_ranks == [0, 1]
+    assert "different collectives" in str(err)
+
+
+def _parent(tmp_path: Path, target: Path) -> subprocess.Popen:
+    """A separate Python process that launches a hanging job, standing in for a notebook kernel."""
+    code = f"from ddp_helpers import torchrun\ntorchrun({str(target)!r}, nproc_per_node=2, timeout=300)\n"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_until_ready(proc: subprocess.Popen) -> None:
+    ready = set()
+    for line in proc.stdout:
+        if '"event": "ready"' in line:
+            ready.add(line.split("]")[0])
+        if len(ready) == 2:
+            return
+    raise AssertionError(f"the job never became ready: {proc.stderr.read()}")
+
+
+def test_interrupt_kills_every_process(script, tmp_path):
+    proc = _parent(tmp_path, script(HANG))
+    _wait_until_ready(proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    assert wait_for_no_leftovers(proc.pid, within=5) == []
+
+
+def test_sigkilled_parent_leaves_no_orphans(script, tmp_path):
+    proc = _parent(tmp_path, script(HANG))
+    _wait_until_ready(proc)
+    proc.kill()
+    proc.wait()
+    assert wait_for_no_leftovers(proc.pid, within=15) == []
+
+
+def test_eight_concurrent_launches(script):
+    path = script(HELLO)
+    results, errors = {}, []
+
+    def launch(i: int) -> None:
+        try:
+            results[i] = torchrun(path, "--job", i, nproc_per_node=2, live=False, timeout=300)
+        except Exception as e:  # collected and reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=launch, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, result in results.items():
+        assert [r["argv"] for r in result.records()] == [["--job", str(i)]] * 2
+        assert all(r["sum"] == 3.0 for r in result.records())
+
+
+def test_many_lines_arrive_complete_and_in_order(script):
+    n = 200_000
+    path = script(f"""
+        import os, sys
+        rank = os.environ["RANK"]
+        sys.stdout.write("".join(f"{{rank}} {{i}}\\n" for i in range({n})))
+        sys.stderr.write("".join(f"e{{rank}} {{i}}\\n" for i in range(1000)))
+    """)
+    result = torchrun(path, nproc_per_node=2, live=False, timeout=300)
+    for rank in (0, 1):
+        assert len(result.stdout[rank]) == n
+        assert result.stdout[rank] == [f"{rank} {i}" for i in range(n)]
+        assert result.stderr[rank] == [f"e{rank} {i}" for i in range(1000)]
+
+
+def test_no_final_newline_and_invalid_utf8(script):
+    path = script("""
+        import sys
+        sys.stdout.buffer.write(b"first\\n\\xff\\xfe broken\\r\\nlast without newline")
+    """)
+    result = torchrun(path, nproc_per_node=1, live=False, timeout=120)
+    assert result.stdout[0] == ["first", "\ufffd\ufffd broken", "last without newline"]
+
+
+def test_simulated_nodes_get_torchrun_ranks(script):
+    result = torchrun(script(HELLO), nnodes=2, nproc_per_node=1, live=False, timeout=180)
+    records = sorted(result.records(), key=lambda r: r["rank"])
+    assert [r["RANK"] for r in records] == ["0", "1"]
+    assert [r["LOCAL_RANK"] for r in records] == ["0", "0"]
+    assert [r["GROUP_RANK"] for r in records] == ["0", "1"]
+    assert {r["WORLD_SIZE"] for r in records} == {"2"} and {r["LOCAL_WORLD_SIZE"] for r in records} == {"1"}
+    assert all(r["sum"] == 3.0 for r in records)
+    assert "--nnodes=2" in result.command and "--rdzv-backend=c10d" in result.command
+
+
+def test_torchrun_args_pass_through_for_restarts(script):
+    path = script("""
+        import json, os
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if attempt == 0 and os.environ["RANK"] == "1":
+            raise RuntimeError("first attempt fails")
+        print(json.dumps({"rank": int(os.environ["RANK"]), "attempt": attempt}))
+    """)
+    result = torchrun(path, nproc_per_node=2, torchrun_args=["--max-restarts=1"], live=False, timeout=120)
+    assert {(r["rank"], r["attempt"]) for r in result.records()} >= {(0, 1), (1, 1)}
+    assert result.exitcodes == {0: 0, 1: 0}
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"nproc_per_node": 0}, ValueError, "nproc_per_node must be at least 1"),
+    ({"nproc_per_node": "2"}, TypeError, "nproc_per_node must be a whole number"),
+    ({"nproc_per_node": 2.5}, TypeError, "nproc_per_node must be a whole number"),
+    ({"nproc_per_node": True}, TypeError, "nproc_per_node must be a whole number"),
+    ({"nnodes": 0}, ValueError, "nnodes must be at least 1"),
+    ({"timeout": 0}, ValueError, "timeout must be a positive number"),
+    ({"live": [3]}, ValueError, r"names rank\(s\) \[3\]"),
+    ({"backend": "mpi"}, ValueError, "backend must be 'gloo', 'nccl'"),
+    ({"cwd": "/no/such/folder"}, FileNotFoundError, "is not a folder"),
+])
+def test_bad_input_fails_fast(script, kwargs, error, match):
+    path = script(HELLO)
+    with pytest.raises(error, match=match):
+        torchrun(path, **{"nproc_per_node": 1, **kwargs})
+
+
+def test_missing_script_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"not found .*%%writefile"):
+        torchrun("nowhere.py", cwd=tmp_path)
+
+
+@pytest.mark.skipif(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "x" or Path("/dev/nvidia0").exists(),
+                    reason="this machine may have GPUs")
+def test_nccl_without_gpus_gives_advice(script):
+    with pytest.raises(RuntimeError, match=r"backend='nccl' needs one GPU per rank.*backend='gloo'"):
+        torchrun(script(HELLO), nproc_per_node=2, backend="nccl")
+
+
+def test_warns_when_ranks_exceed_cores(script, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    with pytest.warns(UserWarning, match="2 ranks on 1 CPU core"):
+        result = torchrun(script(HELLO), nproc_per_node=2, live=False, timeout=120)
+    assert result.returncode == 0
+
+
+def test_backend_is_passed_to_the_script(script):
+    path = script("""
+        import json, os
+        print(json.dumps({"backend": os.environ.get("DDP_BACKEND")}))
+    """)
+    assert torchrun(path, backend="gloo", live=False, timeout=60).records() == [{"backend": "gloo"}]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "ddp_helpers", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_success_and_no_torch_in_parent(script, tmp_path):
+    script(HELLO, name="hello.py")
+    done = _cli("--nproc-per-node", "2", "--timeout", "120", "hello.py", "--x", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert '[rank 1] {"rank": 1, "sum": 3.0, "argv": ["--x", "1"]' in done.stdout
+    parent_imports = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert parent_imports and not [line for line in parent_imports if "torch" in line]
+
+
+def test_cli_failure_exit_code_and_message(script, tmp_path):
+    script("raise SystemExit(4)\n", name="fail.py")
+    done = _cli("fail.py", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "ddp_helpers: rank 0 exited with code 4" in done.stderr
+    assert _cli("--nproc-per-node", "0", "fail.py", cwd=tmp_path).returncode == 2
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = ("import sys, ddp_helpers, ddp_helpers.launcher, ddp_helpers.__main__; "
+            "ddp_helpers.torchrun; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def test_describe_environment(capsys):
+    from ddp_helpers import describe_environment
+
+    info = describe_environment()
+    out = capsys.readouterr().out
+    assert info["torch"] in out and f"CPU cores: {os.cpu_count()}" in out
+    assert info["backend"] == ("nccl" if info["gpu_count"] else "gloo")
+    assert f"backend={info['backend']!r}" in out

@@ -1,0 +1,125 @@
+"""The project's own rules: notebooks, scripts, dependency lists, README and CI agree."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from conftest import REPO
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+SCRIPTS = sorted((REPO / "notebooks" / "scripts").glob("*.py"))
+CONDA_NAMES = {"torch": "pytorch"}  # where conda-forge names a package differently
+
+
+def _writefile_cells(nb_path: Path) -> dict[str, str]:
+    nb = nbformat.read(nb_path, as_version=4)
+    cells = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("%%writefile"):
+            first, _, body = cell.source.partition("\n")
+            cells[first.split()[-1]] = body
+    return cells
+
+
+def test_there_are_notebooks_and_scripts():
+    assert NOTEBOOKS and SCRIPTS
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_clean(nb_path):
+    assert re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", nb_path.name), "name notebooks NN_snake_case.ipynb"
+    nb = nbformat.read(nb_path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "strip outputs before committing"
+            assert "!torchrun" not in cell.source.replace(" ", ""), "use ddp_helpers.torchrun, not !torchrun"
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for heading in ("What you will learn", "Summary", "Exercises"):
+        assert heading in text, f"{nb_path.name} lacks a '{heading}' section"
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_scripts_equal_their_writefile_cells(nb_path):
+    for target, body in _writefile_cells(nb_path).items():
+        assert target.startswith("scripts/"), f"{target}: scripts live in notebooks/scripts/"
+        assert Path(target).name.startswith(nb_path.name[:2] + "_"), f"{target}: prefix it with the notebook's number"
+        path = REPO / "notebooks" / target
+        assert path.exists(), f"{target} is written by {nb_path.name} but not committed"
+        assert path.read_text().rstrip() == body.rstrip(), f"{target} differs from its %%writefile cell"
+
+
+def test_every_script_comes_from_a_notebook():
+    written = {t for nb in NOTEBOOKS for t in _writefile_cells(nb)}
+    orphans = [p.name for p in SCRIPTS if f"scripts/{p.name}" not in written]
+    assert not orphans, f"scripts no notebook writes: {orphans}"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_import_only_torch_torchvision_and_stdlib(path):
+    allowed = set(sys.stdlib_module_names) | {"torch", "torchvision", "__future__"}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else []
+        else:
+            continue
+        for name in names:
+            assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def _requirement_names(reqs: list[str]) -> dict[str, str]:
+    out = {}
+    for req in reqs:
+        m = re.match(r"([A-Za-z0-9_.-]+)\s*(.*)", req)
+        out[m[1].lower()] = m[2].replace(" ", "")
+    return out
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pip_deps = _requirement_names(project["dependencies"] + project["optional-dependencies"]["test"])
+    env = yaml.safe_load((REPO / "environment.yml").read_text())
+    conda = _requirement_names([d for d in env["dependencies"] if isinstance(d, str)])
+    assert conda.pop("python").startswith("=3.11") and "pip" in conda
+    conda.pop("pip")
+    expected = {CONDA_NAMES.get(name, name): spec for name, spec in pip_deps.items()}
+    assert conda == expected
+
+
+def _readme_block(marker: str) -> str:
+    text = (REPO / "README.md").read_text()
+    m = re.search(rf"<!-- {marker} -->\s*```(?:bash|sh)?\n(.*?)\n```\s*<!-- /{marker} -->", text, re.S)
+    assert m, f"README.md lacks the {marker} block"
+    return m[1].strip()
+
+
+def test_readme_commands_and_ci_agree():
+    test_cmd, open_cmd = _readme_block("test-command"), _readme_block("open-command")
+    assert "\n" not in test_cmd and "\n" not in open_cmd, "each is one command a user can paste"
+    assert "--allow-root" in open_cmd and "jupyter lab" in open_cmd
+    assert "pytest" in test_cmd and "constraints.txt" in test_cmd
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "test-command" in ci, ".ci/run must run the README's test command verbatim"
+
+
+def test_readme_lists_every_notebook():
+    text = (REPO / "README.md").read_text()
+    for nb in NOTEBOOKS:
+        assert f"notebooks/{nb.name}" in text, f"README's table lacks {nb.name}"
+
+
+def test_constraints_pin_what_the_series_is_tested_with():
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
