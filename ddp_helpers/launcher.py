@@ -175,6 +175,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _signal_groups(pgids: Iterable[int], sig: int) -> None:
     for pgid in pgids:
         try:
@@ -351,14 +361,14 @@ def _terminate(agents: Sequence[subprocess.Popen], run_dir: str, world_size: int
     """SIGTERM every agent's and worker's process group, wait ``grace`` seconds, then SIGKILL what is left."""
     running = [a for a in agents if a.poll() is None]
     workers = _worker_pgids(run_dir, world_size)
-    live_workers = {g for g in workers if _pid_alive(g)}
+    live_workers = {g for g in workers if _group_alive(g)}  # a rank's children count too
     if not running and not live_workers:
         return
     groups = {a.pid for a in running} | live_workers
     _signal_groups(groups, signal.SIGTERM)
     end = time.monotonic() + grace
     while time.monotonic() < end:
-        if all(a.poll() is not None for a in running) and not any(_pid_alive(g) for g in live_workers):
+        if all(a.poll() is not None for a in running) and not any(_group_alive(g) for g in live_workers):
             break
         time.sleep(0.05)
     _signal_groups(groups | _worker_pgids(run_dir, world_size), signal.SIGKILL)
