@@ -255,9 +255,9 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
         node_args = [[f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                       f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"]
                      for i in range(nnodes)]
-    plain = ["torchrun", *node_args[0], f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
-    if nnodes > 1:
-        plain = [p if not p.startswith("--rdzv-conf") else "--rdzv-conf=is_host=<1 on node 0, else 0>" for p in plain]
+    # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
+    plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
+             f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
 
     streams: dict[tuple[str, int], _Stream] = {}
     for r in range(world_size):
@@ -270,7 +270,6 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
     lifeline_r, lifeline_w = os.pipe()
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
-    result = None
     try:
         for i, node in enumerate(node_args):
             tag = "torchrun" if nnodes == 1 else f"torchrun node {i}"
