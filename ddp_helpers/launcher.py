@@ -175,6 +175,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _node_args(nnodes: int, run_id: str) -> list[list[str]]:
+    """torchrun's rendezvous flags for each simulated node (one node: --standalone)."""
+    if nnodes == 1:
+        return [["--standalone", "--nnodes=1"]]
+    port = _free_port()
+    return [[f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"]
+            for i in range(nnodes)]
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -248,13 +258,7 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
 
     script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
-    if nnodes == 1:
-        node_args = [["--standalone", "--nnodes=1"]]
-    else:
-        port = _free_port()
-        node_args = [[f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                      f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"]
-                     for i in range(nnodes)]
+    node_args = _node_args(nnodes, run_id)
     # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
     plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
              f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
@@ -285,23 +289,7 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
         os.close(lifeline_r)
         lifeline_r = -1
 
-        timed_out = False
-        first_exit = None
-        while True:
-            _poll(streams, agent_streams)
-            codes = [a.poll() for a in agents]
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if first_exit is None and any(c not in (None, 0) for c in codes):
-                first_exit = now  # one simulated node failed; give the others a moment to notice
-            if first_exit is not None and now - first_exit > 10:
-                break
-            if deadline is not None and now > deadline:
-                timed_out = True
-                break
-            time.sleep(POLL_INTERVAL)
-
+        timed_out = _wait(agents, streams, agent_streams, deadline)
         stacks: dict[int, str] = {}
         if timed_out:
             stacks = _dump_stacks(run_dir, world_size, streams, agent_streams)
@@ -329,6 +317,25 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
                 pass
         _flush()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _wait(agents: Sequence[subprocess.Popen], streams: Mapping[object, _Stream],
+          agent_streams: Sequence[_Stream], deadline: float | None) -> bool:
+    """Stream output until every agent has exited; True if the deadline passed first."""
+    first_failure = None
+    while True:
+        _poll(streams, agent_streams)
+        codes = [a.poll() for a in agents]
+        if all(c is not None for c in codes):
+            return False
+        now = time.monotonic()
+        if first_failure is None and any(c not in (None, 0) for c in codes):
+            first_failure = now  # one simulated node failed; give the others a moment to notice
+        if first_failure is not None and now - first_failure > 10:
+            return False
+        if deadline is not None and now > deadline:
+            return True
+        time.sleep(POLL_INTERVAL)
 
 
 def _poll(streams: Mapping[object, _Stream], agent_streams: Sequence[_Stream]) -> None:
