@@ -1,0 +1,189 @@
+"""06_train.py: an image classifier trained with DDP, using everything the series taught.
+
+Runs unchanged with `python 06_train.py` (one process) or `torchrun --nproc-per-node=N 06_train.py`.
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
+
+
+def setup() -> tuple[bool, int, int, int, torch.device]:
+    """(ddp, rank, local_rank, world_size, device): torchrun sets RANK; plain `python` does not (nanoGPT's test)."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    backend = os.environ.get("DDP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # 02: the device index on this node
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not ddp:
+        return False, 0, 0, 1, device
+    dist.init_process_group(backend)  # 05: env:// from torchrun, no rank/world_size arguments
+    return True, dist.get_rank(), local_rank, dist.get_world_size(), device  # 02: RANK for data and identity
+
+
+class Indexed(Dataset):
+    """Wraps a dataset so each item also carries its index (to drop the sampler's padding in evaluation)."""
+
+    def __init__(self, base: Dataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return x, y, i
+
+
+def build_model(num_classes: int) -> nn.Module:
+    """A small CNN with BatchNorm (converted to SyncBatchNorm on GPUs, see 03)."""
+    def block(c_in: int, c_out: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
+    return nn.Sequential(block(3, 16), nn.MaxPool2d(2), block(16, 32), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, num_classes))
+
+
+def load_weights(model: nn.Module, path: str, device: torch.device) -> dict:
+    """Load a checkpoint saved by this script (or any DDP/compiled model) into a plain model (01)."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    state = ckpt["model"] if "model" in ckpt else ckpt
+    for prefix in ("module.", "_orig_mod."):
+        consume_prefix_in_state_dict_if_present(state, prefix)
+    model.load_state_dict(state)
+    return ckpt
+
+
+def save_atomically(obj: dict, path: str) -> None:
+    """Temp file in the same folder, then rename: a crash mid-save never leaves a half-written checkpoint (01)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, ddp: bool) -> dict:
+    """Loss and accuracy over the whole validation set, counting each image once despite sampler padding (02)."""
+    model.eval()
+    idx, loss, correct = [], [], []
+    with torch.no_grad():
+        for x, y, i in loader:
+            out = model(x.to(device))
+            loss.append(nn.functional.cross_entropy(out, y.to(device), reduction="none"))
+            correct.append((out.argmax(1) == y.to(device)).float())
+            idx.append(i.to(device))
+    mine = torch.stack([torch.cat(idx).float(), torch.cat(loss), torch.cat(correct)])
+    if ddp:  # every rank holds the same number of (padded) items, so all_gather fits
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        mine = torch.cat(every, dim=1)
+    first = {}
+    for col in range(mine.shape[1]):  # keep the first copy of each index
+        first.setdefault(int(mine[0, col]), col)
+    kept = mine[:, sorted(first.values())]
+    model.train()
+    return {"val_loss": kept[1].mean().item(), "val_acc": kept[2].mean().item(), "val_items": kept.shape[1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default="data/shapes")
+    parser.add_argument("--out", default="runs/06")
+    parser.add_argument("--num-epochs", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=16, help="per process; global = batch_size x world_size")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/last.pt if it exists")
+    parser.add_argument("--crash-after-epoch", type=int, default=-1, help="simulate a failure (for the demo)")
+    parser.add_argument("--num-workers", type=int, default=0)
+    args = parser.parse_args()
+
+    ddp, rank, local_rank, world_size, device = setup()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP would broadcast rank 0's anyway)
+    os.makedirs(args.out, exist_ok=True)
+    last = os.path.join(args.out, "last.pt")
+
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5] * 3, [0.5] * 3)])
+    train_set = datasets.ImageFolder(os.path.join(args.data, "train"), transform=tf)
+    val_set = Indexed(datasets.ImageFolder(os.path.join(args.data, "val"), transform=tf))
+    # 02: one sampler per process, global rank; num_replicas=1 in plain python gives the same order.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    val_sampler = DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)
+    pin = device.type == "cuda"  # pin_memory only helps host-to-GPU copies
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
+                              num_workers=args.num_workers, pin_memory=pin)
+    val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=val_sampler,
+                            num_workers=args.num_workers, pin_memory=pin)
+
+    model = build_model(len(train_set.classes))
+    if ddp and device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # 03: before the DDP wrap; GPUs only
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    start_epoch, history = 0, []
+    if args.resume and os.path.exists(last):
+        ckpt = load_weights(model, last, device)  # every rank reads the same file, onto its own device
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_epoch, history = ckpt["sampler"]["epoch"], ckpt["history"]  # the loop calls set_epoch with it
+    net = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model  # 04
+
+    if rank == 0:
+        print(json.dumps({"event": "start", "rank": rank, "world_size": world_size, "device": str(device),
+                          "backend": dist.get_backend() if ddp else None, "ddp": ddp,
+                          "global_batch": args.batch_size * world_size, "start_epoch": start_epoch,
+                          "train_items": len(train_set), "val_items": len(val_set)}))
+    for epoch in range(start_epoch, args.num_epochs):
+        train_sampler.set_epoch(epoch)  # 02: a new shuffle each epoch, the same on every rank
+        total, seen, t0 = torch.zeros(2, device=device), 0, time.perf_counter()
+        for step, (x, y) in enumerate(train_loader):
+            loss = nn.functional.cross_entropy(net(x.to(device)), y.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # 04: DDP averages gradients across ranks during backward
+            optimizer.step()
+            total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
+            seen += len(y)
+            if rank == 0 and (step + 1) % max(1, len(train_loader) // 2) == 0:  # rank-0 progress, no tqdm needed
+                print(f"epoch {epoch} step {step + 1}/{len(train_loader)} loss {loss.item():.3f}", flush=True)
+        seconds = time.perf_counter() - t0
+        if ddp:
+            dist.all_reduce(total)  # sum of losses and of counts over ranks: the global mean train loss
+        if ddp:  # rank 0's BatchNorm running statistics are the ones saved: evaluate with them on every rank
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        metrics = evaluate(model, val_loader, device, ddp)  # 04: evaluate the module, not the DDP wrapper
+        history.append({"epoch": epoch, "train_loss": (total[0] / total[1]).item(), **metrics})
+        if rank == 0:
+            # 01: rank 0 alone saves; plain keys (.module), plus what --resume needs to continue exactly.
+            save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "epoch": epoch, "sampler": {"epoch": epoch + 1, "seed": args.seed},
+                             "history": history}, last)
+            print(json.dumps({"event": "epoch", "rank": rank, **history[-1], "seconds": seconds,
+                              "samples_per_s": seen * world_size / seconds}), flush=True)
+        if ddp:
+            dist.barrier()  # nobody races ahead (or crashes) before the checkpoint is on disk
+        if epoch == args.crash_after_epoch and rank == world_size - 1:
+            raise RuntimeError(f"simulated crash after epoch {epoch} (rerun with --resume)")
+
+    if rank == 0:
+        plain = build_model(len(train_set.classes)).to(device)  # 01: a plain model for inference
+        load_weights(plain, last, device)
+        checksum = sum(t.double().sum().item() for t in plain.state_dict().values())
+        print(json.dumps({"event": "done", "rank": rank, "final_checksum": checksum, **history[-1]}))
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
