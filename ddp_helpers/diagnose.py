@@ -11,7 +11,10 @@ _FRAME = re.compile(r'^\s+File "(?P<path>.+)", line (?P<line>\d+) in (?P<func>\S
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):")
 _DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
 _NN_PARALLEL = f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}"
+_AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
 _OWN = f"{os.sep}ddp_helpers{os.sep}"
+# DDP starts its gradient all-reduce from C++ inside autograd, so a rank waiting for it shows only backward().
+BACKWARD = "backward (DDP's gradient all-reduce runs inside it)"
 
 
 @dataclass
@@ -81,6 +84,8 @@ def rank_state(rank: int, dump: str | None, script: str, alive: bool, exitcode: 
             if lib:
                 c10d = [g for g in lib if g.path.endswith("distributed_c10d.py")]
                 state.collective = (c10d[0] if c10d else lib[0]).func
+            elif any(_AUTOGRAD in g.path for g in inner):
+                state.collective = BACKWARD
             break
     return state
 

@@ -36,6 +36,22 @@ def test_rank_state_waiting_busy_exited():
     assert "had already exited (exit code 0)" in gone.describe()
 
 
+BACKWARD = """Current thread 0x00007f0000000002 (most recent call first):
+  File "/site/torch/autograd/graph.py", line 841 in _engine_run_backward
+  File "/site/torch/autograd/__init__.py", line 354 in backward
+  File "/site/torch/_tensor.py", line 625 in backward
+  File "/work/train.py", line 21 in step
+"""
+
+
+def test_a_rank_blocked_in_backward_waits_for_ddp():
+    state = diagnose.rank_state(0, BACKWARD, "/work/train.py", True, None)
+    assert state.collective == diagnose.BACKWARD
+    other = diagnose.rank_state(1, DUMP.format(collective="all_gather", line=30), "/work/train.py", True, None)
+    stuck, why = diagnose.culprits([state, other])
+    assert [s.rank for s in stuck] == [0, 1] and "different collectives" in why
+
+
 def test_culprits():
     wait = diagnose.rank_state(0, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
     busy = diagnose.rank_state(1, BUSY, "/work/train.py", True, None)

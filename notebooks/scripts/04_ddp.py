@@ -1,0 +1,335 @@
+"""04_ddp.py: DistributedDataParallel, proven case by case (one JSON record per case)."""
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+SAFE_CASES = ["equivalence", "unused", "accumulation", "buckets", "join", "eval_module"]
+HANG_CASES = ["uneven_no_join", "eval_wrapper"]  # demonstrations that never finish: run one at a time
+
+
+def setup() -> tuple[int, int, int, torch.device]:
+    """Join the process group; torchrun's environment (env://) supplies rank and world size."""
+    local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its own node
+    backend = os.environ.get("DDP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend)
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def wrap(model: nn.Module, device: torch.device, **kwargs) -> DDP:
+    """device_ids=[local_rank] for a module on one GPU; no device_ids at all for a CPU module."""
+    if device.type == "cuda":
+        return DDP(model, device_ids=[device.index], output_device=device.index, **kwargs)
+    return DDP(model, **kwargs)
+
+
+def mlp(hidden: int = 32) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+
+
+def global_batch(step: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same global batch on every rank (seeded by step); each rank then takes its own slice."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(size, 8, generator=g).to(device), torch.randn(size, 4, generator=g).to(device)
+
+
+def my_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    per_rank = t.shape[0] // world_size
+    return t[rank * per_rank:(rank + 1) * per_rank]
+
+
+def checksum(model: nn.Module) -> float:
+    return sum(p.detach().double().sum().item() for p in model.parameters())
+
+
+def gather(value: float, device: torch.device) -> list[float]:
+    """Every rank's value, in rank order, on every rank."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.item() for t in out]
+
+
+def max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
+    pairs = zip(a.parameters(), b.parameters())
+    return max(((p.grad - q.grad) if grads else (p - q)).abs().max().item() for p, q in pairs)
+
+
+def case_equivalence(rank, world_size, device, args) -> dict:
+    torch.manual_seed(rank)  # deliberately different initial weights on every rank
+    model = mlp().to(device)
+    before = gather(checksum(model), device)
+    ddp = wrap(model, device)  # the constructor broadcasts rank 0's parameters and buffers
+    after = gather(checksum(model), device)
+    reference = copy.deepcopy(ddp.module)  # one process that sees the whole 2B batch
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    grad_diff = None
+    for step in range(args.steps):
+        x, y = global_batch(step, world_size * args.batch, device)
+        opt.zero_grad()
+        F.mse_loss(ddp(my_slice(x, rank, world_size)), my_slice(y, rank, world_size)).backward()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()  # mean over 2B = average of the ranks' means over B
+        if step == 0:
+            grad_diff = max_diff(ddp.module, reference, grads=True)
+        opt.step()
+        ref_opt.step()
+    return {"checksum_before_wrap": before, "checksum_after_wrap": after, "grad_max_diff_step0": grad_diff,
+            "checksum_after_steps": gather(checksum(model), device), "steps": args.steps,
+            "param_max_diff_vs_single_process": max_diff(ddp.module, reference)}
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; which head reaches the loss is up to the caller."""
+
+    def __init__(self, hidden: int = 32, depth: int = 1):
+        super().__init__()
+        self.trunk = nn.Sequential(*[nn.Sequential(nn.Linear(8 if i == 0 else hidden, hidden), nn.Tanh())
+                                     for i in range(depth)])
+        self.head_a = nn.Linear(hidden, 4)
+        self.head_b = nn.Linear(hidden, 4)
+
+    def forward(self, x, heads: str = "ab"):
+        h = self.trunk(x)
+        return tuple(self.head_a(h) if name == "a" else self.head_b(h) for name in heads)
+
+
+def train_heads(ddp: DDP, rank: int, world_size: int, device: torch.device, steps: int, batch: int,
+                which=lambda step: "a", heads: str = "ab") -> None:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(steps):
+        x, y = global_batch(step, world_size * batch, device)
+        outputs = dict(zip(heads, ddp(my_slice(x, rank, world_size), heads=heads)))
+        out = outputs[which(step)]  # the other head's output, if computed, is left out of the loss
+        opt.zero_grad()
+        F.mse_loss(out, my_slice(y, rank, world_size)).backward()
+        opt.step()
+
+
+def try_train(make_ddp, *args, **kwargs) -> dict:
+    """Train; report success, or the error DDP raised (raised identically on every rank)."""
+    torch.manual_seed(0)
+    ddp = make_ddp()
+    try:
+        train_heads(ddp, *args, **kwargs)
+    except RuntimeError as err:
+        return {"ok": False, "error": str(err)}
+    module = ddp.module
+    return {"ok": True, "checksum": checksum(module),
+            "head_b_grad_is_none": module.head_b.weight.grad is None}
+
+
+def time_steps(ddp: DDP, rank, world_size, device, steps, batch) -> float:
+    train_heads(ddp, rank, world_size, device, 2, batch, heads="a")  # warm-up; every parameter is used
+    dist.barrier()
+    start = time.perf_counter()
+    train_heads(ddp, rank, world_size, device, steps, batch, heads="a")
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def case_unused(rank, world_size, device, args) -> dict:
+    run = lambda **kw: try_train(lambda: wrap(TwoHeads().to(device), device, **kw),
+                                 rank, world_size, device, 3, args.batch)
+    alternate = lambda step: "a" if step % 2 == 0 else "b"  # the unused head changes every step
+    run_dynamic = lambda **kw: try_train(lambda: wrap(TwoHeads().to(device), device, **kw),
+                                         rank, world_size, device, 4, args.batch, which=alternate)
+    run_a_only = lambda **kw: try_train(lambda: wrap(TwoHeads().to(device), device, **kw),
+                                        rank, world_size, device, 3, args.batch, heads="a")
+    record = {"default": run(), "find_unused": run(find_unused_parameters=True),
+              "static_graph": run(static_graph=True),
+              "static_graph_head_b_not_called": run_a_only(static_graph=True),
+              "default_head_b_not_called": run_a_only(),
+              "dynamic_find_unused": run_dynamic(find_unused_parameters=True),
+              "dynamic_static_graph": run_dynamic(static_graph=True)}
+    # The cost of find_unused_parameters=True on a model whose parameters are all used:
+    # a deep trunk makes the extra autograd-graph traversal after every forward visible.
+    timings = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = TwoHeads(hidden=16, depth=args.depth).to(device)
+        model.head_b = nn.Identity()  # no parameters left unused: the flag is pure overhead here
+        ddp = wrap(model, device, find_unused_parameters=flag)
+        timings[flag] = time_steps(ddp, rank, world_size, device, args.timing_steps, args.batch)
+    record["find_unused_time_ratio"] = timings[True] / timings[False]
+    return record
+
+
+def counting_hook(counter: dict):
+    """A DDP communication hook: count the buckets sent, then do exactly what DDP does by default."""
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        counter["calls"] += 1
+        return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+
+    return hook
+
+
+def accumulate(ddp: DDP, rank, world_size, device, windows: int, micro: int,
+               batch: int, use_no_sync: bool) -> None:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)  # lr 0: keep the weights, so grads stay comparable
+    for w in range(windows):
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = global_batch(100 * w + m, world_size * batch, device)
+            step = lambda: (F.mse_loss(ddp(my_slice(x, rank, world_size)), my_slice(y, rank, world_size))
+                            / micro).backward()
+            if use_no_sync and m < micro - 1:
+                with ddp.no_sync():  # gradients accumulate locally; no communication
+                    step()
+            else:
+                step()  # this backward all-reduces the accumulated gradients
+        opt.step()
+
+
+def case_accumulation(rank, world_size, device, args) -> dict:
+    micro = args.micro
+    record = {"micro_steps": micro, "windows": args.windows}
+    grads = {}
+    for use_no_sync in (True, False):
+        torch.manual_seed(0)
+        model = mlp(hidden=args.hidden).to(device)
+        ddp = wrap(model, device)
+        hook = {"calls": 0}
+        ddp.register_comm_hook(None, counting_hook(hook))
+        accumulate(ddp, rank, world_size, device, 1, 1, args.batch, True)  # warm-up: buckets settle
+        hook["calls"] = 0
+        dist.barrier()
+        start = time.perf_counter()
+        accumulate(ddp, rank, world_size, device, args.windows, micro, args.batch, use_no_sync)
+        dist.barrier()
+        name = "no_sync" if use_no_sync else "sync_every_step"
+        record[name] = {"comm_calls": hook["calls"], "seconds": time.perf_counter() - start}
+        grads[name] = ddp.module
+        # the single-process reference: one big batch of micro * 2B samples, last window only
+        if use_no_sync:
+            reference = copy.deepcopy(ddp.module)
+            reference.zero_grad()
+            w = args.windows - 1
+            xs, ys = zip(*(global_batch(100 * w + m, world_size * args.batch, device) for m in range(micro)))
+            F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
+            record["no_sync_grad_max_diff_vs_big_batch"] = max_diff(ddp.module, reference, grads=True)
+        record[name]["buckets"] = hook["calls"] // (args.windows * (1 if use_no_sync else micro))
+    record["sync_vs_no_sync_grad_max_diff"] = max_diff(grads["no_sync"], grads["sync_every_step"], grads=True)
+    record["time_ratio_sync_every_step_vs_no_sync"] = (record["sync_every_step"]["seconds"]
+                                                       / record["no_sync"]["seconds"])
+    return record
+
+
+def case_buckets(rank, world_size, device, args) -> dict:
+    record = {}
+    for cap_mb in (25.0, 0.001):
+        torch.manual_seed(0)
+        ddp = wrap(mlp(hidden=args.hidden).to(device), device, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
+        hook = {"calls": 0}
+        ddp.register_comm_hook(None, counting_hook(hook))
+        for _ in range(2):  # buckets are rebuilt after the first iteration; count the second
+            hook["calls"] = 0
+            x, y = global_batch(0, world_size * args.batch, device)
+            ddp.zero_grad(set_to_none=False)
+            F.mse_loss(ddp(my_slice(x, rank, world_size)), my_slice(y, rank, world_size)).backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in ddp.parameters()}
+        record[f"cap_{cap_mb:g}mb"] = {"buckets": hook["calls"], "grad_storages": len(storages),
+                                       "params": len(list(ddp.parameters()))}
+    return record
+
+
+def case_join(rank, world_size, device, args, use_join: bool = True) -> dict:
+    torch.manual_seed(0)
+    ddp = wrap(mlp().to(device), device)
+    print(json.dumps({"rank": rank, "event": "wrapped"}), flush=True)  # startup is over
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    n_batches = args.uneven_base - 2 * rank  # rank 0: 6 batches, rank 1: 4 batches
+    steps = 0
+
+    def loop():
+        nonlocal steps
+        for step in range(n_batches):
+            x, y = global_batch(step, world_size * args.batch, device)
+            opt.zero_grad()
+            F.mse_loss(ddp(my_slice(x, rank, world_size)), my_slice(y, rank, world_size)).backward()
+            opt.step()
+            steps += 1
+
+    if use_join:
+        with Join([ddp]):  # a rank that runs out of data shadows the others' all-reduces with zeros
+            loop()
+    else:
+        loop()
+        print(json.dumps({"rank": rank, "event": "finished my batches", "steps": steps}), flush=True)
+    return {"steps": steps, "checksum_after": gather(checksum(ddp.module), device)}
+
+
+def bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def evaluate(model: nn.Module, device: torch.device) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = global_batch(999, 64, device)
+        loss = F.mse_loss(model(x), y).item()
+    model.train()
+    return loss
+
+
+def case_eval(rank, world_size, device, args, through_module: bool = True) -> dict:
+    torch.manual_seed(0)
+    ddp = wrap(bn_model().to(device), device)  # BatchNorm has buffers, which DDP broadcasts each forward
+    print(json.dumps({"rank": rank, "event": "wrapped"}), flush=True)  # startup is over
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = global_batch(step, world_size * args.batch, device)
+        opt.zero_grad()
+        F.mse_loss(ddp(my_slice(x, rank, world_size)), my_slice(y, rank, world_size)).backward()
+        opt.step()
+    loss = None
+    if rank == 0:
+        loss = evaluate(ddp.module if through_module else ddp, device)
+        print(json.dumps({"rank": rank, "event": "evaluated", "loss": loss}), flush=True)
+    dist.barrier()  # everyone waits for rank 0's evaluation
+    return {"eval_loss": loss, "through_module": through_module}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(SAFE_CASES),
+                        help=f"comma-separated, from {SAFE_CASES + HANG_CASES}")
+    parser.add_argument("--batch", type=int, default=8, help="samples per rank per step (B)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--micro", type=int, default=4, help="micro-steps per accumulation window")
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=24)
+    parser.add_argument("--timing-steps", type=int, default=20)
+    parser.add_argument("--uneven-base", type=int, default=6)
+    args = parser.parse_args()
+    rank, local_rank, world_size, device = setup()
+    cases = {"equivalence": case_equivalence, "unused": case_unused, "accumulation": case_accumulation,
+             "buckets": case_buckets, "join": case_join, "eval_module": case_eval,
+             "uneven_no_join": lambda *a: case_join(*a, use_join=False),
+             "eval_wrapper": lambda *a: case_eval(*a, through_module=False)}
+    for name in args.cases.split(","):
+        record = cases[name](rank, world_size, device, args)
+        print(json.dumps({"rank": rank, "case": name, "world_size": world_size, "device": str(device),
+                          "backend": dist.get_backend(), **record}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
