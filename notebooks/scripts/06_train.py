@@ -109,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
 
     ddp, rank, local_rank, world_size, device = setup()
-    if device.type == "cpu":
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # unless you chose: share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP would broadcast rank 0's anyway)
     os.makedirs(args.out, exist_ok=True)
