@@ -1,0 +1,90 @@
+"""05_elastic.py: a training loop that survives a crash: snapshot each epoch, resume when torchrun restarts it."""
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def setup(plain_init: bool) -> tuple[int, int, int, torch.device]:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = os.environ.get("DDP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if plain_init:
+        dist.init_process_group(backend)
+    else:
+        # On torch 2.14 a restarted attempt reaches the same torchrun store as the failed one, finds the
+        # dead workers' addresses there, and its group does not form. One key prefix per attempt keeps
+        # the attempts apart; the store itself is still torchrun's (MASTER_ADDR:MASTER_PORT).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}/", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def batch_for(epoch: int, rank: int, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch for (epoch, rank) in every attempt, so a resumed run repeats exactly."""
+    g = torch.Generator().manual_seed(1000 * epoch + rank)
+    x = torch.randn(batch_size, 8, generator=g)
+    return x.to(device), x.sum(dim=1, keepdim=True).to(device)
+
+
+def save_snapshot(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, epochs_done: int) -> None:
+    """Rank 0 only: write to a temporary file, then rename, so a crash never leaves half a snapshot."""
+    tmp = f"{path}.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_done": epochs_done}, tmp)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--snapshot", required=True, help="file for the snapshot; on shared storage across nodes")
+    parser.add_argument("--num-epochs", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=16, help="per process")
+    parser.add_argument("--crash-at-epoch", type=int, default=-1, help="rank 1 crashes here, in the first attempt only")
+    parser.add_argument("--plain-init", action="store_true", help="init_process_group(backend) alone (fails after a restart)")
+    args = parser.parse_args()
+    rank, local_rank, world_size, device = setup(args.plain_init)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # 0, then 1 after a restart
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start_epoch = 0
+    if os.path.exists(args.snapshot):
+        snapshot = torch.load(args.snapshot, map_location=device, weights_only=True)
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])  # momentum too: the run continues exactly
+        start_epoch = snapshot["epochs_done"]
+    ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    print(json.dumps({"rank": rank, "event": "start", "attempt": attempt, "start_epoch": start_epoch}), flush=True)
+
+    for epoch in range(start_epoch, args.num_epochs):
+        if epoch == args.crash_at_epoch and attempt == 0 and rank == 1:
+            raise RuntimeError(f"rank {rank} crashes at epoch {epoch} on purpose")
+        x, y = batch_for(epoch, rank, args.batch_size, device)
+        loss = torch.nn.functional.mse_loss(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()  # DDP averages the gradients of all ranks here
+        optimizer.step()
+        if rank == 0:
+            save_snapshot(args.snapshot, model, optimizer, epochs_done=epoch + 1)
+        dist.barrier()  # nobody starts the next epoch before this epoch's snapshot exists
+        print(json.dumps({"rank": rank, "event": "epoch", "attempt": attempt, "epoch": epoch,
+                          "loss": loss.item()}), flush=True)
+
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().tolist()
+    print(json.dumps({"rank": rank, "event": "done", "attempt": attempt, "global_batch": args.batch_size * world_size,
+                      "weights": weights}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""05_launch.py: what torchrun gives each worker, and init_process_group with each init method."""
+import argparse
+import json
+import os
+import time
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--init-method", action="append",
+                        help="env:// (default), tcp://HOST:PORT or file:///ABSOLUTE/PATH; repeat to try each in turn")
+    parser.add_argument("--batch-size", type=int, default=10, help="per process, like the post's --batchsize")
+    parser.add_argument("--rank-from", choices=["RANK", "LOCAL_RANK"], default="RANK",
+                        help="LOCAL_RANK reproduces the post's rank=local_rank (wrong on several nodes)")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="the post's flag: leave it out, torchrun's WORLD_SIZE is the truth")
+    parser.add_argument("--stagger", type=float, default=0.0, help="rank r starts r * STAGGER seconds late")
+    parser.add_argument("--crash", action="store_true", help="die without cleaning up after the first step")
+    args = parser.parse_args()
+
+    env = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
+    local_rank = int(os.environ["LOCAL_RANK"])  # which device on this machine
+    rank = int(os.environ[args.rank_from])  # who I am in the job: RANK, not LOCAL_RANK
+    world_size = args.world_size or int(os.environ["WORLD_SIZE"])
+    backend = os.environ.get("DDP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    time.sleep(args.stagger * int(os.environ["RANK"]))
+
+    for url in args.init_method or ["env://"]:
+        # With env:// (the default) rank and world_size may be left out: torchrun's RANK and WORLD_SIZE are used.
+        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size)
+        store_file = urlparse(url).path if url.startswith("file://") else None
+        record = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "init_method": url,
+                  "store_file": store_file, "store_file_exists": bool(store_file and os.path.exists(store_file))}
+        value = torch.tensor([float(dist.get_rank() + 1)], device=device)
+        dist.all_reduce(value)  # 1 + 2 = 3 on two ranks
+        batch = torch.tensor([args.batch_size], device=device)
+        dist.all_reduce(batch)  # the global batch: the sum of every process's batch
+        record.update(sum=value.item(), batch_size=args.batch_size, global_batch=int(batch.item()), env=env)
+        print(json.dumps(record), flush=True)
+        if args.crash:
+            os._exit(1)  # like a killed job: no destroy_process_group, nothing cleaned up
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
