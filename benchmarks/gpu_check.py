@@ -62,4 +62,81 @@ def _():
     raise AssertionError("no error")
 
 
+def scripts_exit_zero(cases: list[tuple[str, list[str]]], nproc: int = 1) -> dict:
+    out = {}
+    for script, args in cases:
+        result = run(script, *args, nproc=nproc)
+        out[f"{script} {' '.join(args)}".strip()] = {"seconds": round(result.duration, 1),
+                                                     "devices": sorted({str(r.get("device")) for r in result.records() if r.get("device")})}
+    return out
+
+
+@check("01 checkpoints: NCCL, map_location to cuda:0")
+def _():
+    recs = run("01_checkpoints.py", "--out", "runs/gpu01").records()
+    load = [r for r in recs if r.get("case") == "load_every_rank"]
+    assert load and all(r["device"] == "cuda:0" and r["loaded_device"] == "cuda:0" for r in load), load
+    assert all(r["after"][0] == r["trained"] or abs(r["after"][0] - r["trained"]) < 1e-6 for r in load), load
+    return {"load": load}
+
+
+@check("02 sampler cases on one GPU")
+def _():
+    from ddp_helpers import make_image_folder
+    make_image_folder(NOTEBOOKS / "data" / "shapes", num_classes=4, images_per_class=5, size=16, seed=0)
+    return scripts_exit_zero([("02_sampler.py", ["--cases", "grid,rank_source,image_folder,evaluate,global_batch",
+                                                 "--data", "data/shapes"])])
+
+
+@check("03 real nn.SyncBatchNorm on CUDA, 1 rank (NCCL)")
+def _():
+    recs = run("03_sync_batchnorm.py").records()
+    ref = [r for r in recs if r.get("case") == "reference"]
+    assert ref and all(r["impl"] == "torch" for r in ref), ref
+    assert all(max(r["max_abs_diff"].values()) < 1e-4 for r in ref), ref
+    return {"reference": ref}
+
+
+@check("03 real nn.SyncBatchNorm on CUDA, 2 ranks sharing the GPU over gloo")
+def _():
+    recs = run("03_sync_batchnorm.py", "--device", "cuda", "--impl", "torch", nproc=2, backend="gloo").records()
+    ref = [r for r in recs if r.get("case") == "reference"]
+    assert len(ref) == 2 and all(r["impl"] == "torch" and max(r["max_abs_diff"].values()) < 1e-4 for r in ref), ref
+    return {"reference": ref}
+
+
+@check("04, 05, 07 scripts exit 0 on one GPU")
+def _():
+    return scripts_exit_zero([("04_ddp.py", []), ("04_seed_snippet.py", []), ("05_launch.py", []),
+                              ("05_elastic.py", ["--snapshot", "runs/gpu05.pt"]), ("07_gallery.py", []),
+                              ("07_tools.py", [])])
+
+
+@check("06 capstone on one GPU: NCCL, SyncBatchNorm, learns; figures")
+def _():
+    from ddp_helpers import make_image_folder
+    data = make_image_folder(NOTEBOOKS / "data" / "capstone", num_classes=4, images_per_class=64, size=16,
+                             seed=0, val_fraction=0.25)
+    recs = run("06_train.py", "--data", str(data), "--out", "runs/gpu06").records(rank=0)
+    start = next(r for r in recs if r["event"] == "start")
+    done = next(r for r in recs if r["event"] == "done")
+    assert start["backend"] == "nccl" and start["device"] == "cuda:0", start
+    assert done["val_acc"] >= 0.9, done
+    big = make_image_folder(NOTEBOOKS / "data" / "bench", num_classes=4, images_per_class=320, size=32, seed=0,
+                            val_fraction=0.2)
+    figures = {}
+    for name, nproc in (("DDP 1 rank", 1),):
+        r = run("06_train.py", "--data", str(big), "--out", "runs/gpu06b", "--num-epochs", "4", "--batch-size", "32",
+                nproc=nproc).records(rank=0)
+        eps = [e["samples_per_s"] for e in r if e["event"] == "epoch"]
+        figures[name] = round(sorted(eps[1:])[len(eps[1:]) // 2])
+    import subprocess
+    out = subprocess.run([sys.executable, "scripts/06_train.py", "--data", str(big), "--out", "runs/gpu06p",
+                          "--num-epochs", "4", "--batch-size", "32"], cwd=NOTEBOOKS, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    eps = [json.loads(l)["samples_per_s"] for l in out.splitlines() if '"event": "epoch"' in l]
+    figures["plain python"] = round(sorted(eps[1:])[len(eps[1:]) // 2])
+    return {"val_acc": done["val_acc"], "samples_per_s": figures}
+
+
 sys.exit(failures)
