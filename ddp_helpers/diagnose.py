@@ -46,6 +46,9 @@ class RankState:
             code = "unknown" if self.exitcode is None else self.exitcode
             return f"rank {self.rank} had already exited (exit code {code}) while its peers waited for it"
         where = self.script_frame.where() if self.script_frame else "an unknown place"
+        if self.exitcode is not None:
+            return (f"rank {self.rank} finished its script (exit code {self.exitcode}) but its process hangs "
+                    f"while shutting down (a collective in an atexit hook, a destructor, destroy_process_group)")
         if self.frames is None:
             return f"rank {self.rank}: no stack dump arrived (it may be stuck in C code holding the GIL)"
         if self.collective:
@@ -92,8 +95,8 @@ def rank_state(rank: int, dump: str | None, script: str, alive: bool, exitcode: 
 
 def culprits(states: list[RankState]) -> tuple[list[RankState], str]:
     """Pick the ranks that caused a hang, and say why in one line."""
-    exited = [s for s in states if not s.alive]
-    busy = [s for s in states if s.alive and s.frames is not None and not s.collective]
+    exited = [s for s in states if not s.alive or s.exitcode is not None]
+    busy = [s for s in states if s.alive and s.exitcode is None and s.frames is not None and not s.collective]
     silent = [s for s in states if s.alive and s.frames is None]
     if exited or busy:
         return exited + busy, "the stuck rank(s) never reached the collective their peers wait in"

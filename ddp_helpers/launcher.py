@@ -44,7 +44,11 @@ class TorchrunResult:
         return len(self.stdout)
 
     def records(self, rank: int | None = None) -> list[dict]:
-        """The JSON objects the ranks printed, one per line; all ranks in rank order, or one rank's."""
+        """The JSON objects the ranks printed, one per line; all ranks in rank order, or one rank's.
+
+        After an elastic restart (``torchrun_args=["--max-restarts=N"]``) a rank's lines hold every
+        attempt in order, so records of the first attempt come before those of the restarted one.
+        """
         ranks = sorted(self.stdout) if rank is None else [rank]
         if rank is not None and rank not in self.stdout:
             raise KeyError(f"no rank {rank} in this job; ranks are {sorted(self.stdout)}")
@@ -390,8 +394,8 @@ def _dump_stacks(run_dir: str, world_size: int, streams: Mapping[tuple[str, int]
     """Ask every live rank for a faulthandler dump of all its threads, and collect what arrives."""
     marks = {}
     for r in range(world_size):
-        begin, end = _last_attempt(_read_status(run_dir, r))
-        if begin and not end and _pid_alive(begin["pid"]):
+        begin, _ = _last_attempt(_read_status(run_dir, r))
+        if begin and _pid_alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
             _poll(streams, agent_streams)
             marks[r] = len(streams["err", r].lines)
             try:

@@ -52,6 +52,13 @@ def test_a_rank_blocked_in_backward_waits_for_ddp():
     assert [s.rank for s in stuck] == [0, 1] and "different collectives" in why
 
 
+def test_a_rank_hanging_after_its_script_ended_is_a_culprit():
+    shutting = diagnose.rank_state(1, BUSY, "/work/train.py", True, 1)
+    assert "finished its script (exit code 1) but its process hangs" in shutting.describe()
+    wait = diagnose.rank_state(0, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
+    assert diagnose.culprits([wait, shutting])[0] == [shutting]
+
+
 def test_culprits():
     wait = diagnose.rank_state(0, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
     busy = diagnose.rank_state(1, BUSY, "/work/train.py", True, None)
