@@ -169,9 +169,10 @@ def _last_attempt(events: list[dict]) -> tuple[dict | None, dict | None]:
     return start, end
 
 
-def _pid_alive(pid: int) -> bool:
+def _alive(target: int, group: bool = False) -> bool:
+    """Whether a process (or, with ``group``, any member of a process group) still exists."""
     try:
-        os.kill(pid, 0)
+        (os.killpg if group else os.kill)(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -187,16 +188,6 @@ def _node_args(nnodes: int, run_id: str) -> list[list[str]]:
     return [[f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
              f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"]
             for i in range(nnodes)]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _signal_groups(pgids: Iterable[int], sig: int) -> None:
@@ -371,14 +362,14 @@ def _terminate(agents: Sequence[subprocess.Popen], run_dir: str, world_size: int
     """SIGTERM every agent's and worker's process group, wait ``grace`` seconds, then SIGKILL what is left."""
     running = [a for a in agents if a.poll() is None]
     workers = _worker_pgids(run_dir, world_size)
-    live_workers = {g for g in workers if _group_alive(g)}  # a rank's children count too
+    live_workers = {g for g in workers if _alive(g, group=True)}  # a rank's children count too
     if not running and not live_workers:
         return
     groups = {a.pid for a in running} | live_workers
     _signal_groups(groups, signal.SIGTERM)
     end = time.monotonic() + grace
     while time.monotonic() < end:
-        if all(a.poll() is not None for a in running) and not any(_group_alive(g) for g in live_workers):
+        if all(a.poll() is not None for a in running) and not any(_alive(g, group=True) for g in live_workers):
             break
         time.sleep(0.05)
     _signal_groups(groups | _worker_pgids(run_dir, world_size), signal.SIGKILL)
@@ -395,7 +386,7 @@ def _dump_stacks(run_dir: str, world_size: int, streams: Mapping[tuple[str, int]
     marks = {}
     for r in range(world_size):
         begin, _ = _last_attempt(_read_status(run_dir, r))
-        if begin and _pid_alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
+        if begin and _alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
             _poll(streams, agent_streams)
             marks[r] = len(streams["err", r].lines)
             try:
