@@ -158,15 +158,17 @@ def _read_status(run_dir: str, rank: int) -> list[dict]:
         return []
 
 
-def _last_attempt(events: list[dict]) -> tuple[dict | None, dict | None]:
-    """The last 'start' event of a rank and the 'exit' event that followed it, if any."""
-    start = end = None
+def _last_attempt(events: list[dict]) -> tuple[dict | None, dict | None, dict | None]:
+    """A rank's last 'start' event, and the 'exit' and 'exception' events that followed it, if any."""
+    start = end = raised = None
     for e in events:
         if e["event"] == "start":
-            start, end = e, None
+            start, end, raised = e, None, None
         elif e["event"] == "exit":
             end = e
-    return start, end
+        elif e["event"] == "exception":
+            raised = e
+    return start, end, raised
 
 
 def _alive(target: int, group: bool = False) -> bool:
@@ -385,7 +387,7 @@ def _dump_stacks(run_dir: str, world_size: int, streams: Mapping[tuple[str, int]
     """Ask every live rank for a faulthandler dump of all its threads, and collect what arrives."""
     marks = {}
     for r in range(world_size):
-        begin, _ = _last_attempt(_read_status(run_dir, r))
+        begin, _, _ = _last_attempt(_read_status(run_dir, r))
         if begin and _alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
             _poll(streams, agent_streams)
             marks[r] = len(streams["err", r].lines)
@@ -407,16 +409,6 @@ def _dump_stacks(run_dir: str, world_size: int, streams: Mapping[tuple[str, int]
     return {r: "\n".join(streams["err", r].lines[m:]) for r, m in marks.items()}
 
 
-def _last_attempt_exception(events: list[dict]) -> dict | None:
-    found = None
-    for e in events:
-        if e["event"] == "start":
-            found = None
-        elif e["event"] == "exception":
-            found = e
-    return found
-
-
 def _exitcodes(run_dir: str, world_size: int,
                agents: Sequence[subprocess.Popen]) -> tuple[dict[int, int | None], dict[int, dict]]:
     """Each rank's exit code (torch's failure record, else the shim's) and, for failed ranks, how and when."""
@@ -431,9 +423,7 @@ def _exitcodes(run_dir: str, world_size: int,
     how: dict[int, dict] = {}
     all_ok = all(a.returncode == 0 for a in agents)
     for r in range(world_size):
-        events = _read_status(run_dir, r)
-        _, end = _last_attempt(events)
-        raised = _last_attempt_exception(events)
+        _, end, raised = _last_attempt(_read_status(run_dir, r))
         if r in failures:
             codes[r] = failures[r]["exitcode"]
         elif end is not None:
@@ -504,7 +494,7 @@ def _timeout_error(result: TorchrunResult, run_dir: str, world_size: int, script
                    stacks: Mapping[int, str], timeout: float) -> TorchrunError:
     states = []
     for r in range(world_size):
-        begin, end = _last_attempt(_read_status(run_dir, r))
+        begin, end, _ = _last_attempt(_read_status(run_dir, r))
         alive = r in stacks
         code = end["code"] if end else None
         state = diagnose.rank_state(r, stacks.get(r) or None, script, alive, code)
