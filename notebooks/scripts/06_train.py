@@ -3,6 +3,7 @@
 Runs unchanged with `python 06_train.py` (one process) or `torchrun --nproc-per-node=N 06_train.py`.
 """
 import argparse
+import inspect
 import json
 import os
 import time
@@ -137,7 +138,12 @@ def main() -> None:
         ckpt = load_weights(model, last, device)  # every rank reads the same file, onto its own device
         optimizer.load_state_dict(ckpt["optimizer"])
         start_epoch, history = ckpt["sampler"]["epoch"], ckpt["history"]  # the loop calls set_epoch with it
-    net = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model  # 04
+    # 04: by default DDP broadcasts rank 0's buffers before every forward: one collective per step. This script
+    # hands rank 0's BatchNorm statistics to every rank once per epoch (before evaluating), so it turns that off.
+    # torch >= 2.13 calls the flag forward_sync_buffers; older releases call it broadcast_buffers.
+    no_sync_buffers = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                        else "broadcast_buffers"): False}
+    net = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, **no_sync_buffers) if ddp else model
 
     if rank == 0:
         print(json.dumps({"event": "start", "rank": rank, "world_size": world_size, "device": str(device),
@@ -159,7 +165,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         if ddp:
             dist.all_reduce(total)  # sum of losses and of counts over ranks: the global mean train loss
-        if ddp:  # rank 0's BatchNorm running statistics are the ones saved: evaluate with them on every rank
+        if ddp:  # rank 0's BatchNorm running statistics are the ones saved: evaluate with them on every rank (04)
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         metrics = evaluate(model, val_loader, device, ddp)  # 04: evaluate the module, not the DDP wrapper
