@@ -166,7 +166,7 @@ def case_drift(rank, world_size, device, args) -> dict:
             record[f"{'local' if kind == 'local' else 'sync'}_b{batch}"] = {
                 "running_mean": gather(bn.running_mean), "running_var": gather(bn.running_var),
                 "trace_channel0": gather(torch.tensor(trace, device=device))}
-    # Plain BatchNorm inside DDP: broadcast_buffers=True (the default) sends rank 0's buffers to every
+    # Plain BatchNorm inside DDP: forward_sync_buffers=True (the default) sends rank 0's buffers to every
     # rank before each forward. (Running statistics depend on the inputs only, not on the weights.)
     bn = make_bn("local", args.channels, device)
     ddp = DDP(bn, device_ids=[device.index]) if device.type == "cuda" else DDP(bn)
