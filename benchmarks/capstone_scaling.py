@@ -97,8 +97,8 @@ def main() -> None:
           f"{args.rounds} rounds")
     for w in WAYS:
         print(f"  {w:28s} median {med[w]:8.0f} samples/s")
-    print(f"2 ranks / 1 rank (1 thread each)        = {scaling:.2f} (goal >= 1.7); "
-          f"per round {min(per_round):.2f}..{max(per_round):.2f}")
+    print(f"2 ranks / 1 rank (1 thread each)        = {scaling:.2f} (goal >= 1.7); per round "
+          f"{min(per_round):.2f}..{max(per_round):.2f}, median {statistics.median(per_round):.2f}")
     print(f"2 independent / 1 process (the ceiling) = {ceiling:.2f}; DDP reaches {scaling / ceiling:.0%} of it")
     print(f"DDP 1 rank / plain loop                 = {overhead:.2f} (goal >= 0.95)")
     print(f"2 ranks / 1 rank (cores/ranks threads)  = {split:.2f} (1 rank may use every core through threads)")
