@@ -165,7 +165,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         if ddp:
             dist.all_reduce(total)  # sum of losses and of counts over ranks: the global mean train loss
-        if ddp:  # rank 0's BatchNorm running statistics are the ones saved: evaluate with them on every rank (04)
+            # rank 0's BatchNorm running statistics are the ones saved: evaluate with them on every rank (04)
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         metrics = evaluate(model, val_loader, device, ddp)  # 04: evaluate the module, not the DDP wrapper
