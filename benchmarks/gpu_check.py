@@ -8,12 +8,13 @@ Every check prints one JSON line {"check": ..., "ok": ..., ...}; the exit code i
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
 
-from ddp_helpers import TorchrunError, describe_environment, torchrun
+from ddp_helpers import describe_environment, torchrun
+
+import capstone_scaling  # beside this file (python puts the script's folder on sys.path)
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 failures = 0
@@ -124,18 +125,9 @@ def _():
     assert done["val_acc"] >= 0.9, done
     big = make_image_folder(NOTEBOOKS / "data" / "bench", num_classes=4, images_per_class=320, size=32, seed=0,
                             val_fraction=0.2)
-    figures = {}
-    for name, nproc in (("DDP 1 rank", 1),):
-        r = run("06_train.py", "--data", str(big), "--out", "runs/gpu06b", "--num-epochs", "4", "--batch-size", "32",
-                nproc=nproc).records(rank=0)
-        eps = [e["samples_per_s"] for e in r if e["event"] == "epoch"]
-        figures[name] = round(sorted(eps[1:])[len(eps[1:]) // 2])
-    import subprocess
-    out = subprocess.run([sys.executable, "scripts/06_train.py", "--data", str(big), "--out", "runs/gpu06p",
-                          "--num-epochs", "4", "--batch-size", "32"], cwd=NOTEBOOKS, capture_output=True,
-                         text=True, timeout=300, check=True).stdout
-    eps = [json.loads(l)["samples_per_s"] for l in out.splitlines() if '"event": "epoch"' in l]
-    figures["plain python"] = round(sorted(eps[1:])[len(eps[1:]) // 2])
+    common = ["--data", str(big), "--num-epochs", "4", "--batch-size", "32"]
+    figures = {name: round(capstone_scaling.run(f"{name} @{capstone_scaling.SPLIT}", common))
+               for name in ("DDP 1 rank", "plain python")}  # measured as the scaling benchmark measures them
     return {"val_acc": done["val_acc"], "samples_per_s": figures}
 
 
