@@ -1,11 +1,29 @@
 """05_elastic.py: a training loop that survives a crash: snapshot each epoch, resume when torchrun restarts it."""
 import argparse
+import datetime
 import json
 import os
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def join_process_group(backend: str) -> None:
+    """dist.init_process_group(backend) from torchrun's environment, made safe for --max-restarts (see 05)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store, kept across restarts
+    if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        dist.init_process_group(backend)  # env://; no earlier attempt can have left anything behind
+        return
+    # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
+    # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
+    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:
+        raise RuntimeError("torchrun --max-restarts on several nodes: launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+                           " on every node, which gives each attempt a fresh store (see notebook 05)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def setup(plain_init: bool) -> tuple[int, int, int, torch.device]:
@@ -16,16 +34,10 @@ def setup(plain_init: bool) -> tuple[int, int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if plain_init:
-        dist.init_process_group(backend)
+    if plain_init:  # the bare call, to see what a restart does to it; the timeout turns a hang into an error (07)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=10))
     else:
-        # On torch 2.14 a restarted attempt reaches the same torchrun store as the failed one, finds the
-        # dead workers' addresses there, and its group does not form. One key prefix per attempt keeps
-        # the attempts apart; the store itself is still torchrun's (MASTER_ADDR:MASTER_PORT).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}/", store),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        join_process_group(backend)
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
@@ -48,8 +60,8 @@ def main() -> None:
     parser.add_argument("--snapshot", required=True, help="file for the snapshot; on shared storage across nodes")
     parser.add_argument("--num-epochs", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
-    parser.add_argument("--crash-at-epoch", type=int, default=-1, help="rank 1 crashes here, in the first attempt only")
-    parser.add_argument("--plain-init", action="store_true", help="init_process_group(backend) alone (fails after a restart)")
+    parser.add_argument("--crash-at-epoch", type=int, default=-1, help="rank 1 crashes here, unless resumed")
+    parser.add_argument("--plain-init", action="store_true", help="init_process_group(backend) alone (see notebook 05)")
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup(args.plain_init)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # 0, then 1 after a restart
@@ -64,10 +76,11 @@ def main() -> None:
         optimizer.load_state_dict(snapshot["optimizer"])  # momentum too: the run continues exactly
         start_epoch = snapshot["epochs_done"]
     ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    print(json.dumps({"rank": rank, "event": "start", "attempt": attempt, "start_epoch": start_epoch}), flush=True)
+    print(json.dumps({"rank": rank, "event": "start", "attempt": attempt, "start_epoch": start_epoch,
+                      "master_port": int(os.environ["MASTER_PORT"])}), flush=True)  # where this attempt's store is
 
     for epoch in range(start_epoch, args.num_epochs):
-        if epoch == args.crash_at_epoch and attempt == 0 and rank == 1:
+        if epoch == args.crash_at_epoch and start_epoch == 0 and rank == 1:  # a resumed attempt is past it
             raise RuntimeError(f"rank {rank} crashes at epoch {epoch} on purpose")
         x, y = batch_for(epoch, rank, args.batch_size, device)
         loss = torch.nn.functional.mse_loss(ddp_model(x), y)

@@ -1,5 +1,6 @@
 """05_launch.py: what torchrun gives each worker, and init_process_group with each init method."""
 import argparse
+import datetime
 import json
 import os
 import time
@@ -25,6 +26,8 @@ def main() -> None:
                         help="the post's flag: leave it out, torchrun's WORLD_SIZE is the truth")
     parser.add_argument("--stagger", type=float, default=0.0, help="rank r starts r * STAGGER seconds late")
     parser.add_argument("--crash", action="store_true", help="die without cleaning up after the first step")
+    parser.add_argument("--pg-timeout", type=float, default=None,
+                        help="seconds init_process_group may wait for the others (default: the backend's, 30 min on gloo)")
     args = parser.parse_args()
 
     env = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
@@ -37,11 +40,12 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=args.pg_timeout) if args.pg_timeout else None  # None: the backend's default
     time.sleep(args.stagger * int(os.environ["RANK"]))
 
     for url in args.init_method or ["env://"]:
         # With env:// (the default) rank and world_size may be left out: torchrun's RANK and WORLD_SIZE are used.
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
         store_file = urlparse(url).path if url.startswith("file://") else None
         record = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "init_method": url,
                   "store_file": store_file, "store_file_exists": bool(store_file and os.path.exists(store_file))}

@@ -18,6 +18,23 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 
+def join_process_group(backend: str) -> None:
+    """dist.init_process_group(backend) from torchrun's environment, made safe for --max-restarts (see 05)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store, kept across restarts
+    if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        dist.init_process_group(backend)  # env://; no earlier attempt can have left anything behind
+        return
+    # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
+    # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
+    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:
+        raise RuntimeError("torchrun --max-restarts on several nodes: launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+                           " on every node, which gives each attempt a fresh store (see notebook 05)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def setup() -> tuple[bool, int, int, int, torch.device]:
     """(ddp, rank, local_rank, world_size, device): torchrun sets RANK; plain `python` does not (nanoGPT's test)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -30,7 +47,7 @@ def setup() -> tuple[bool, int, int, int, torch.device]:
         device = torch.device("cpu")
     if not ddp:
         return False, 0, 0, 1, device
-    dist.init_process_group(backend)  # 05: env:// from torchrun, no rank/world_size arguments
+    join_process_group(backend)  # 05: env:// from torchrun, no rank/world_size arguments; survives a restart
     return True, dist.get_rank(), local_rank, dist.get_world_size(), device  # 02: RANK for data and identity
 
 
@@ -105,7 +122,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from OUT/last.pt if it exists")
-    parser.add_argument("--crash-after-epoch", type=int, default=-1, help="simulate a failure (for the demo)")
+    parser.add_argument("--crash-after-epoch", type=int, default=-1,
+                        help="the last rank fails after this epoch (a resumed run has passed it)")
     parser.add_argument("--num-workers", type=int, default=0)
     args = parser.parse_args()
 
@@ -140,7 +158,8 @@ def main() -> None:
         start_epoch, history = ckpt["sampler"]["epoch"], ckpt["history"]  # the loop calls set_epoch with it
     # 04: by default DDP broadcasts rank 0's buffers before every forward: one collective per step. This script
     # hands rank 0's BatchNorm statistics to every rank once per epoch (before evaluating), so it turns that off.
-    # torch >= 2.13 calls the flag forward_sync_buffers; older releases call it broadcast_buffers.
+    # torch >= 2.13 calls the flag forward_sync_buffers; older releases call it broadcast_buffers, whose False also
+    # skipped the sync at construction (04): harmless here, every rank builds the model from the same seed.
     no_sync_buffers = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                         else "broadcast_buffers"): False}
     net = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, **no_sync_buffers) if ddp else model
@@ -149,6 +168,7 @@ def main() -> None:
         print(json.dumps({"event": "start", "rank": rank, "world_size": world_size, "device": str(device),
                           "backend": dist.get_backend() if ddp else None, "ddp": ddp,
                           "global_batch": args.batch_size * world_size, "start_epoch": start_epoch,
+                          "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # 05: restarts so far
                           "train_items": len(train_set), "val_items": len(val_set)}))
     for epoch in range(start_epoch, args.num_epochs):
         train_sampler.set_epoch(epoch)  # 02: a new shuffle each epoch, the same on every rank
@@ -180,7 +200,7 @@ def main() -> None:
         if ddp:
             dist.barrier()  # nobody races ahead (or crashes) before the checkpoint is on disk
         if epoch == args.crash_after_epoch and rank == world_size - 1:
-            raise RuntimeError(f"simulated crash after epoch {epoch} (rerun with --resume)")
+            raise RuntimeError(f"simulated crash after epoch {epoch} (restart or rerun with --resume)")
 
     if rank == 0:
         plain = build_model(len(train_set.classes)).to(device)  # 01: a plain model for inference
