@@ -1,9 +1,11 @@
 """04_ddp.py: DistributedDataParallel, proven case by case (one JSON record per case)."""
 import argparse
 import copy
+import inspect
 import json
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-SAFE_CASES = ["equivalence", "unused", "accumulation", "buckets", "join", "eval_module"]
+SAFE_CASES = ["equivalence", "uneven_batch", "unused", "accumulation", "buckets", "join", "eval_module", "buffer_flags"]
 HANG_CASES = ["uneven_no_join", "eval_wrapper"]  # demonstrations that never finish: run one at a time
 
 
@@ -92,6 +94,31 @@ def case_equivalence(rank, world_size, device, args) -> dict:
     return {"checksum_before_wrap": before, "checksum_after_wrap": after, "grad_max_diff_step0": grad_diff,
             "checksum_after_steps": gather(checksum(model), device), "steps": args.steps,
             "param_max_diff_vs_single_process": max_diff(ddp.module, reference)}
+
+
+def case_uneven_batch(rank, world_size, device, args) -> dict:
+    """Ranks with batches of different sizes (rank 0: B, rank 1: B - 6): what DDP's average means then."""
+    sizes = [args.batch - 6 * r for r in range(world_size)]
+    x, y = global_batch(0, sum(sizes), device)
+    start = sum(sizes[:rank])
+    mine = slice(start, start + sizes[rank])
+    torch.manual_seed(0)
+    reference = mlp().to(device)
+    F.mse_loss(reference(x), y).backward()  # one process: the mean over every sample of every rank
+    record = {"batch_sizes": sizes}
+    for name in ("mean_per_rank", "sum_over_global_count"):
+        torch.manual_seed(0)
+        ddp = wrap(mlp().to(device), device)
+        out = ddp(x[mine])
+        if name == "mean_per_rank":
+            loss = F.mse_loss(out, y[mine])  # the usual line: a mean over this rank's samples only
+        else:  # sum this rank's terms, divide by the global count; DDP's average over ranks then is the global mean
+            count = torch.tensor([float(out.numel())], device=device)
+            dist.all_reduce(count)
+            loss = F.mse_loss(out, y[mine], reduction="sum") * world_size / count
+        loss.backward()
+        record[name] = max_diff(ddp.module, reference, grads=True)
+    return record
 
 
 class TwoHeads(nn.Module):
@@ -306,6 +333,23 @@ def case_eval(rank, world_size, device, args, through_module: bool = True) -> di
     return {"eval_loss": loss, "through_module": through_module}
 
 
+def case_buffer_flags(rank, world_size, device, args) -> dict:
+    """Each rank starts with its own BatchNorm buffers: which flags copy rank 0's at construction?"""
+    flags = {"default": {}, "broadcast_buffers=False": {"broadcast_buffers": False}}
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:  # torch >= 2.13
+        flags["forward_sync_buffers=False"] = {"forward_sync_buffers": False}
+    record = {}
+    for name, kwargs in flags.items():
+        model = bn_model().to(device)
+        model[1].running_mean.fill_(float(rank))  # rank-specific buffers, as after training on different data
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrap(model, device, **kwargs)
+        record[name] = {"buffers": gather(model[1].running_mean[0].item(), device),  # every rank's, after DDP(...)
+                        "future_warning": any(issubclass(w.category, FutureWarning) for w in caught)}
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(SAFE_CASES),
@@ -320,7 +364,8 @@ def main() -> None:
     parser.add_argument("--uneven-base", type=int, default=6)
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup()
-    cases = {"equivalence": case_equivalence, "unused": case_unused, "accumulation": case_accumulation,
+    cases = {"equivalence": case_equivalence, "uneven_batch": case_uneven_batch, "buffer_flags": case_buffer_flags,
+             "unused": case_unused, "accumulation": case_accumulation,
              "buckets": case_buckets, "join": case_join, "eval_module": case_eval,
              "uneven_no_join": lambda *a: case_join(*a, use_join=False),
              "eval_wrapper": lambda *a: case_eval(*a, through_module=False)}
