@@ -1,0 +1,67 @@
+"""``python -m ddp_helpers.doctor``: passes here, names a broken GLOO_SOCKET_IFNAME, never shows a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+from ddp_helpers import doctor
+
+NAMES = ["python", "torch", "torchvision", "jupyterlab", "torch.distributed", "network settings", "shell variables",
+         "loopback ports", "2-rank all_reduce", "CPU cores", "shared memory", "disk space", "GPUs", "Jupyter kernel"]
+
+
+def doctor_run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *doctor.STALE_VARS)}
+    return subprocess.run([sys.executable, "-m", "ddp_helpers.doctor", *args], cwd=REPO, env={**clean, **env},
+                          capture_output=True, text=True, timeout=600)  # a safety net only
+
+
+def test_doctor_passes_here():
+    text = doctor_run()
+    assert text.returncode == 0, text.stdout + text.stderr
+    for name in NAMES:
+        assert any(line.startswith(f"✓ {name}: ") for line in text.stdout.splitlines()), (name, text.stdout)
+    assert "✓ 2-rank all_reduce: torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks" in text.stdout
+
+
+def test_missing_gloo_interface_is_named_before_any_launch():
+    out = doctor_run(GLOO_SOCKET_IFNAME="nosuchif0")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert any(line.startswith("✗") and "GLOO_SOCKET_IFNAME" in line and "nosuchif0" in line
+               for line in text.splitlines()), text
+    assert "unset GLOO_SOCKET_IFNAME or set it to one of lo" in text
+    assert "✗ 2-rank all_reduce: not run" in text  # short-circuited: no job was started
+    assert "Traceback" not in text
+    report = json.loads(doctor_run("--json", GLOO_SOCKET_IFNAME="nosuchif0").stdout)  # one object, for a room
+    assert report["ok"] is False and [c["name"] for c in report["checks"]] == NAMES, report
+    assert {c["name"]: c["status"] for c in report["checks"]}["network settings"] == "fail", report
+
+
+def test_version_comparison_ignores_local_suffix_only():
+    assert doctor.compare_version("torch", "2.13.0+cpu", "2.14.1").status == "fail"
+    assert doctor.compare_version("torch", "2.14.1+cu130", "2.14.1").status == "pass"
+    assert doctor.compare_version("jupyterlab", "4.6.6", None).status == "pass"
+
+
+def test_read_pins_skips_comments(tmp_path):
+    path = tmp_path / "constraints.txt"
+    path.write_text("# torch==1.0\ntorch==2.14.1  # tested\n\nTorch_Vision==0.29.1\nnumpy>=1\n")
+    assert doctor.read_pins(path) == {"torch": "2.14.1", "torch-vision": "0.29.1"}
+
+
+def test_a_crashing_check_becomes_a_failed_line(monkeypatch, capsys):
+    def broken() -> doctor.Check:
+        raise OSError("no sockets today")
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(doctor, "check_loopback", broken)
+    monkeypatch.setattr(doctor, "check_job", lambda timeout: doctor.Check("2-rank all_reduce", "pass", "skipped"))
+    assert doctor.main([]) == 1
+    out = capsys.readouterr()
+    assert "✗ loopback ports: the check itself raised OSError: no sockets today" in out.out
+    assert "✓ Jupyter kernel" in out.out and "Traceback" not in out.out + out.err
