@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -123,3 +124,44 @@ def test_constraints_pin_what_the_series_is_tested_with():
     pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
                 if line and not line.startswith("#"))
     assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
+
+
+DOCS = [REPO / "README.md", REPO / "SEED_POST.md", REPO / "CONTRIBUTING.md"]
+SHOWN_CALL = re.compile(r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()")  # inline code that reads as a statement
+
+
+def _shown_code(markdown: str) -> list[str]:
+    """Python a reader may copy from markdown: ```python blocks, and inline code that is a statement or a call."""
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", markdown, re.S)]
+    inline = [m for m in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", markdown, flags=re.S))
+              if SHOWN_CALL.match(m)]
+    return blocks + inline
+
+
+def _python_of_cell(source: str) -> str:
+    """A code cell as the kernel runs it: IPython turns %magics and !commands into Python first."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + DOCS, ids=lambda p: p.name)
+def test_code_shown_to_a_reader_parses(path):
+    if path.suffix == ".ipynb":
+        cells = nbformat.read(path, as_version=4).cells
+        code = [_python_of_cell(c.source) for c in cells if c.cell_type == "code"]
+        shown = [s for c in cells if c.cell_type == "markdown" for s in _shown_code(c.source)]
+    else:
+        code, shown = [], _shown_code(path.read_text())
+    for snippet in code + shown:
+        try:
+            compile(snippet, path.name, "exec")
+        except SyntaxError as err:
+            pytest.fail(f"{path.name}: code shown to a reader does not parse ({err.msg}):\n{snippet[:300]}")
+
+
+def test_nothing_points_outside_the_repository():
+    tracked = [REPO / p for p in ("README.md", "CONTRIBUTING.md", "SEED_POST.md", "pyproject.toml")]
+    tracked += NOTEBOOKS + SCRIPTS + sorted((REPO / "ddp_helpers").glob("*.py"))
+    outside = [p.name for p in tracked if re.search(r"\.\./shared|shared/seed", p.read_text())]
+    assert not outside, f"these point at ../shared, which a clone does not have: {outside}"
