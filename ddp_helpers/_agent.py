@@ -10,30 +10,25 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 
-from ddp_helpers._worker import _die_with_parent
+from ddp_helpers import _protocol as protocol
 
 
 def main(argv: list[str]) -> None:
-    parent = int(os.environ.get("DDP_HELPERS_PARENT_PID", "0"))
-    if parent:
-        run_dir = os.environ["DDP_HELPERS_RUN_DIR"] if os.environ.get("DDP_HELPERS_AGENT") == "0" else None
-        threading.Thread(target=_die_with_parent, args=(parent, run_dir), daemon=True,
-                         name="ddp_helpers-lifeline").start()
+    agent = int(os.environ.get(protocol.AGENT, "0"))
+    protocol.hold_lifeline(remove=os.environ.get(protocol.RUN_DIR) if agent == 0 else None)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        out = os.path.join(os.environ["DDP_HELPERS_RUN_DIR"], f"agent{os.environ['DDP_HELPERS_AGENT']}.failures")
         failures = {
             str(rank): {"exitcode": f.exitcode, "signal": f.signal_name() if f.exitcode < 0 else None,
                         "timestamp": f.timestamp, "local_rank": f.local_rank}
             for rank, f in e.failures.items()
         }
-        with open(out, "w", encoding="utf-8") as f:
+        with open(protocol.agent_file(os.environ[protocol.RUN_DIR], agent, "failures"), "w", encoding="utf-8") as f:
             json.dump(failures, f)
         ranks = ", ".join(f"rank {r} (exit {v['exitcode']})" for r, v in sorted(failures.items()))
         print(f"torchrun: workers failed: {ranks}", file=sys.stderr)

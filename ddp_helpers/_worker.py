@@ -11,19 +11,11 @@ import faulthandler
 import json
 import os
 import runpy
-import shutil
-import signal
-import stat
 import sys
-import threading
 import time
 import types
 
-STACK_SIGNAL = signal.SIGUSR1
-
-
-def _status_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"rank{rank}.status")
+from ddp_helpers import _protocol as protocol
 
 
 def _write_status(path: str, **fields: object) -> None:
@@ -31,60 +23,28 @@ def _write_status(path: str, **fields: object) -> None:
         f.write(json.dumps(fields) + "\n")
 
 
-def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
-    """Kill this process's group once the launching process is gone (even after SIGKILL); ``remove`` a folder first."""
-    try:
-        lifeline = stat.S_ISFIFO(os.fstat(0).st_mode) and os.environ.get("DDP_HELPERS_LIFELINE") == "1"
-    except OSError:
-        lifeline = False
-    if lifeline:
-        while True:  # the launcher holds the only write end: EOF means it closed it or died
-            try:
-                if os.read(0, 512) == b"":
-                    break
-            except InterruptedError:
-                continue
-            except OSError:
-                break
-    else:
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:
-                pass
-    if remove:
-        shutil.rmtree(remove, ignore_errors=True)
-    os.killpg(os.getpgid(0), signal.SIGKILL)
-
-
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m ddp_helpers._worker SCRIPT [ARGS...]")
     script = os.path.abspath(argv[0])
-    run_dir = os.environ["DDP_HELPERS_RUN_DIR"]
+    run_dir = os.environ[protocol.RUN_DIR]
     rank = int(os.environ["RANK"])
 
     # Each global rank writes to its own files, so lines of two ranks can never interleave.
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        target = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), flags, 0o644)
+    for fd, kind in ((1, "stdout"), (2, "stderr")):
+        target = os.open(protocol.rank_file(run_dir, rank, kind), flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    faulthandler.register(protocol.STACK_SIGNAL, file=sys.stderr, all_threads=True)
 
-    status = _status_path(run_dir, rank)
+    status = protocol.rank_file(run_dir, rank, "status")
     _write_status(
         status, event="start", rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         group_rank=int(os.environ.get("GROUP_RANK", 0)), pid=os.getpid(), pgid=os.getpgid(0),
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), time=time.time(),
     )
-    parent = int(os.environ.get("DDP_HELPERS_PARENT_PID", "0"))
-    if parent:
-        threading.Thread(target=_die_with_parent, args=(parent,), daemon=True,
-                         name="ddp_helpers-lifeline").start()
+    protocol.hold_lifeline()
 
     sys.argv = [argv[0], *argv[1:]]
     sys.path[0] = os.path.dirname(script)

@@ -19,11 +19,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from ddp_helpers import _protocol as protocol
 from ddp_helpers import diagnose
-from ddp_helpers._worker import STACK_SIGNAL
 
-DEFAULT_TIMEOUT = 600.0
-POLL_INTERVAL = 0.05
+DEFAULT_TIMEOUT = 600.0  # wall-clock limit of a job unless the caller gives one (None: no limit)
+POLL_INTERVAL = 0.05  # how often output files and processes are checked: short enough to feel live
+TERM_GRACE = 3.0  # after SIGTERM, seconds torchrun and the ranks get to flush logs and exit before SIGKILL
+# When one simulated node's agent fails, the other agents normally notice through the rendezvous and exit
+# within a second or two; this is the most they get before being stopped (they are then reported as killed).
+NODE_FAILURE_GRACE = 10.0
+# A stack dump is written by faulthandler's C handler the moment the signal arrives; a rank that has not
+# answered after this long (stopped, or stuck in the kernel) is reported as silent.
+DUMP_WAIT = 30.0
+DUMP_SETTLE = 0.3  # a rank's dump counts as complete once its stderr has had no new line for this long
+REAP_WAIT = 5.0  # after SIGKILL, how long to wait for an agent process to be reaped
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -81,13 +90,285 @@ class TorchrunError(RuntimeError):
         self.stacks = dict(stacks or {})
 
 
+def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, nnodes: int = 1,
+             timeout: float | None = DEFAULT_TIMEOUT, stall_timeout: float | None = None,
+             env: Mapping[str, object] | None = None, cwd: str | os.PathLike | None = None,
+             live: bool | Iterable[int] = True, backend: str | None = None, torchrun_args: Sequence[str] = (),
+             show_agent: bool = False, grace: float = TERM_GRACE) -> TorchrunResult:
+    """Run ``script`` under real torchrun, stream each rank's lines live, and raise ``TorchrunError`` on failure.
+
+    - ``script``: path of the script, relative to ``cwd``; it runs unchanged as ``__main__`` in every rank.
+    - ``*args``: the script's own arguments (converted with ``str``).
+    - ``nproc_per_node``: ranks per node. ``nnodes``: K > 1 simulates K nodes on this machine
+      (K torchrun agents meeting through c10d rendezvous on 127.0.0.1, as on a cluster).
+    - ``timeout``: wall-clock limit in seconds from the launch (None: no limit). When it passes, every
+      rank's stack is dumped, every process is killed, and the error names the rank(s) that were stuck.
+    - ``stall_timeout``: treat the job the same way once **every** rank has printed at least one line and
+      then no rank has printed anything for this many seconds. It counts from the ranks' own progress, not
+      from the launch, so a slow start on a busy machine does not trip it: made for demonstrating hangs.
+    - ``env``: extra environment variables for torchrun and the ranks (values converted with ``str``).
+    - ``cwd``: the folder to run in (default: the current one).
+    - ``live``: which ranks' lines to print while the job runs: True (all), False, or a list of ranks.
+      All lines are kept on the result either way.
+    - ``backend``: "gloo" or "nccl", handed to the script as ``DDP_BACKEND`` (checked against the GPUs
+      first); None lets the script choose.
+    - ``torchrun_args``: extra torchrun flags, e.g. ``["--max-restarts=1"]``.
+    - ``show_agent``: also print torchrun's own log lines, prefixed ``[torchrun]``.
+    - ``grace``: seconds between SIGTERM and SIGKILL when the job has to be stopped.
+
+    Returns a ``TorchrunResult`` (per-rank ``stdout``/``stderr`` lines, ``exitcodes``, ``records()``,
+    ``duration`` and the plain ``command``). No process outlives the call: not after a timeout, an
+    interrupt, or the death of the calling process.
+
+    Example::
+
+        result = torchrun("scripts/00_hello.py", "--steps", "3", nproc_per_node=2, timeout=120)
+        assert all(r["sum"] == 3 for r in result.records())
+    """
+    job = _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd, live, backend,
+                torchrun_args, show_agent, grace)
+    with _Launch(job) as launch:
+        hang = launch.wait()
+        stacks = launch.dump_stacks() if hang else {}
+        launch.stop()
+        result, ends = launch.collect()
+        if hang:
+            raise _hang_error(result, job, hang, stacks, launch.attempts())
+    if result.returncode != 0:
+        raise _failure_error(result, ends)
+    return result
+
+
+@dataclass
+class _Job:
+    """Everything a launch needs, checked and computed before any process starts."""
+
+    script: str
+    script_path: str
+    cwd: str
+    world_size: int
+    agent_commands: list[list[str]]  # one per simulated node
+    plain_command: str  # what to type outside the notebook
+    env: dict[str, str]
+    live: set[int]
+    show_agent: bool
+    timeout: float | None
+    stall_timeout: float | None
+    grace: float
+
+
+def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd, live, backend,
+          torchrun_args, show_agent, grace) -> _Job:
+    """Check every argument (bad input fails here, before any process starts) and build the commands."""
+    nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
+    nnodes = _check_count("nnodes", nnodes)
+    timeout = _check_seconds("timeout", timeout)
+    stall_timeout = _check_seconds("stall_timeout", stall_timeout)
+    run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
+    if not os.path.isdir(run_cwd):
+        raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
+    script = os.fspath(script)
+    script_path = os.path.join(run_cwd, script)
+    if not os.path.isfile(script_path):
+        raise FileNotFoundError(
+            f"script {script!r} not found (looked for {script_path}). Write it first "
+            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to.")
+    world_size = nproc_per_node * nnodes
+    shown = _live_ranks(live, world_size)
+    cores = os.cpu_count() or 1
+    if world_size > cores:
+        warnings.warn(f"{world_size} ranks on {cores} CPU core(s): ranks will share cores, which is fine "
+                      f"for learning but slow, and timings will not mean much.", stacklevel=3)
+    extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+    if backend is not None:
+        _check_backend(backend, nproc_per_node)
+        extra_env["DDP_BACKEND"] = backend
+
+    run_id = uuid.uuid4().hex[:12]
+    node_args = _node_args(nnodes, run_id)
+    script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
+    agent_commands = [[sys.executable, "-m", "ddp_helpers._agent", *node, f"--nproc-per-node={nproc_per_node}",
+                       *torchrun_args, *script_cmd] for node in node_args]
+    # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
+    plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
+             f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
+    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", protocol.RUN_ID: run_id,
+                 protocol.PARENT_PID: str(os.getpid()), protocol.LIFELINE: "1"}
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
+    return _Job(script, script_path, run_cwd, world_size, agent_commands, shlex.join(plain), child_env, shown,
+                show_agent, timeout, stall_timeout, grace)
+
+
+class _Launch:
+    """One running job: its run folder, output streams, agents and lifeline. Leaving it cleans up everything."""
+
+    def __init__(self, job: _Job):
+        self.job = job
+        self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.env[protocol.RUN_ID]}_")
+        self.streams = {(kind, r): _Stream(protocol.rank_file(self.run_dir, r, kind), f"[rank {r}] ",
+                                           (sys.stdout if kind == "stdout" else sys.stderr) if r in job.live else None)
+                        for r in range(job.world_size) for kind in ("stdout", "stderr")}
+        tags = ["torchrun"] if len(job.agent_commands) == 1 else [f"torchrun node {i}"
+                                                                 for i in range(len(job.agent_commands))]
+        self.agent_streams = [_Stream(protocol.agent_file(self.run_dir, i, kind), f"[{tag}] ",
+                                      (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None)
+                              for i, tag in enumerate(tags) for kind in ("stdout", "stderr")]
+        self.agents: list[subprocess.Popen] = []
+        self.lifeline_r, self.lifeline_w = os.pipe()
+        self.start = time.monotonic()
+
+    def __enter__(self) -> _Launch:
+        try:
+            for i, cmd in enumerate(self.job.agent_commands):
+                with open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out, \
+                        open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err:
+                    env = {**self.job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
+                    self.agents.append(subprocess.Popen(cmd, cwd=self.job.cwd, env=env, stdin=self.lifeline_r,
+                                                        stdout=out, stderr=err, start_new_session=True))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        finally:
+            os.close(self.lifeline_r)  # only the agents hold the read end now
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Runs on success, failure, timeout and KeyboardInterrupt alike: nothing outlives the call.
+        try:
+            self.stop()
+        finally:
+            os.close(self.lifeline_w)  # every agent and worker still alive now kills its own group
+            for a in self.agents:
+                try:
+                    a.wait(timeout=REAP_WAIT)
+                except subprocess.TimeoutExpired:
+                    pass
+            _flush()
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                print(self._interrupted(), file=sys.stderr, flush=True)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _interrupted(self) -> str:
+        """One line for an interrupted cell: were all ranks and agents really stopped?"""
+        end = time.monotonic() + REAP_WAIT  # killed processes may take a moment to be reaped
+        while (left := [a.pid for a in self.agents if a.poll() is None]
+               + [g for g in self._worker_groups() if _alive(g, group=True)]) and time.monotonic() < end:
+            time.sleep(POLL_INTERVAL)
+        if left:
+            return f"ddp_helpers: interrupted; still stopping process group(s) {left} (they die with their lifeline)"
+        return (f"ddp_helpers: interrupted; all {self.job.world_size} rank(s) and their torchrun agent(s) were "
+                "stopped, nothing is left running")
+
+    def poll(self) -> bool:
+        """Read what arrived from every rank and agent; True if a rank wrote a new line."""
+        ranks = any([s.poll() for s in self.streams.values()])  # a list: poll every stream, always
+        agents = any([s.poll() for s in self.agent_streams])
+        if ranks or agents:
+            _flush()
+        return ranks
+
+    def wait(self) -> str | None:
+        """Stream output until every agent has exited; "timeout" or "stall" if the job hung first, else None."""
+        deadline = None if self.job.timeout is None else self.start + self.job.timeout
+        first_failure = None
+        last_line = time.monotonic()
+        while True:
+            if self.poll():
+                last_line = time.monotonic()
+            codes = [a.poll() for a in self.agents]
+            if all(c is not None for c in codes):
+                return None
+            now = time.monotonic()
+            if first_failure is None and any(c not in (None, 0) for c in codes):
+                first_failure = now  # one simulated node failed; give the others a moment to notice
+            if first_failure is not None and now - first_failure > NODE_FAILURE_GRACE:
+                return None
+            if deadline is not None and now > deadline:
+                return "timeout"
+            if (self.job.stall_timeout is not None and now - last_line > self.job.stall_timeout
+                    and all(self.streams["stdout", r].lines or self.streams["stderr", r].lines
+                            for r in range(self.job.world_size))):
+                return "stall"
+            time.sleep(POLL_INTERVAL)
+
+    def dump_stacks(self) -> dict[int, str]:
+        """Ask every live rank for a faulthandler dump of all its threads, and collect what arrives."""
+        marks = {}
+        self.poll()
+        for r in range(self.job.world_size):
+            begin = _last_attempt(_read_status(self.run_dir, r)).start
+            if begin and _alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
+                marks[r] = len(self.streams["stderr", r].lines)
+                try:
+                    os.kill(begin["pid"], protocol.STACK_SIGNAL)
+                except ProcessLookupError:
+                    marks.pop(r)
+        stop = time.monotonic() + DUMP_WAIT
+        quiet_since = time.monotonic()
+        while marks and time.monotonic() < stop:
+            time.sleep(0.1)
+            if self.poll():
+                quiet_since = time.monotonic()
+            started = all(any("most recent call first" in line for line in self.streams["stderr", r].lines[m:])
+                          for r, m in marks.items())
+            if started and time.monotonic() - quiet_since > DUMP_SETTLE:
+                break
+        return {r: "\n".join(self.streams["stderr", r].lines[m:]) for r, m in marks.items()}
+
+    def stop(self) -> None:
+        """SIGTERM every agent's and worker's process group, wait up to the grace period, then SIGKILL what is left."""
+        running = [a for a in self.agents if a.poll() is None]
+        workers = {g for g in self._worker_groups() if _alive(g, group=True)}  # a rank's children count too
+        if not running and not workers:
+            return
+        groups = {a.pid for a in running} | workers
+        _signal_groups(groups, signal.SIGTERM)
+        end = time.monotonic() + self.job.grace
+        while time.monotonic() < end:
+            if all(a.poll() is not None for a in running) and not any(_alive(g, group=True) for g in workers):
+                break
+            time.sleep(POLL_INTERVAL)
+        _signal_groups(groups | self._worker_groups(), signal.SIGKILL)
+        for a in running:
+            try:
+                a.wait(timeout=REAP_WAIT)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def attempts(self) -> dict[int, _Attempt]:
+        """Each rank's last attempt, as the shim recorded it."""
+        return {r: _last_attempt(_read_status(self.run_dir, r)) for r in range(self.job.world_size)}
+
+    def _worker_groups(self) -> set[int]:
+        return {e["pgid"] for r in range(self.job.world_size)
+                for e in _read_status(self.run_dir, r) if e["event"] == "start"}
+
+    def collect(self) -> tuple[TorchrunResult, dict[int, RankEnd]]:
+        """The job's result, and how each rank's last attempt ended."""
+        for s in (*self.streams.values(), *self.agent_streams):
+            s.finish()
+        _flush()
+        ends = _rank_ends(self.run_dir, self.job.world_size, self.agents)
+        rc = next((a.returncode for a in self.agents if a.returncode not in (0, None)), 0)
+        if any(a.returncode is None for a in self.agents):
+            rc = rc or -signal.SIGKILL
+        w = range(self.job.world_size)
+        result = TorchrunResult(
+            command=self.job.plain_command, returncode=rc, duration=time.monotonic() - self.start,
+            stdout={r: self.streams["stdout", r].lines for r in w},
+            stderr={r: self.streams["stderr", r].lines for r in w},
+            exitcodes={r: ends[r].exitcode for r in w},
+            agent_output=[line for s in self.agent_streams for line in s.lines])
+        return result, ends
+
+
 class _Stream:
     """Follows one output file and turns what arrives into whole lines."""
 
     def __init__(self, path: str, prefix: str, out: TextIO | None):
         self.path, self.prefix, self.out = path, prefix, out
         self.lines: list[str] = []
-        self._offset, self._partial, self._file = 0, b"", None
+        self._partial, self._file = b"", None
 
     def poll(self) -> bool:
         if self._file is None:
@@ -100,7 +381,7 @@ class _Stream:
             return False
         *complete, self._partial = (self._partial + data).split(b"\n")
         self._emit(complete)
-        return True
+        return bool(complete)
 
     def finish(self) -> None:
         self.poll()
@@ -117,12 +398,177 @@ class _Stream:
             self.out.write("".join(f"{self.prefix}{line}\n" for line in new))
 
 
+# ---- how each rank ended, and whom to blame -------------------------------------------------------------
+
+
+@dataclass
+class _Attempt:
+    """A rank's events from the shim's status file, for its last attempt only."""
+
+    start: dict | None = None
+    end: dict | None = None  # the "exit" event
+    raised: dict | None = None  # the "exception" event
+
+
+@dataclass
+class RankEnd:
+    """How one rank's last attempt ended, merged from torch's failure record and the shim's status file."""
+
+    rank: int
+    exitcode: int | None  # None: unknown (the job was stopped before torch or the shim recorded one)
+    raised: str | None = None  # the exception type, if the script raised
+    time: float = math.inf  # when it raised or exited (the shim's clock, else torch's whole-second timestamp)
+
+    @property
+    def failed(self) -> bool:
+        return self.exitcode not in (0, None)
+
+    @property
+    def stopped_by_torchrun(self) -> bool:
+        """Killed with SIGTERM without raising: torchrun stopping a healthy rank after another one failed."""
+        return self.raised is None and self.exitcode == -signal.SIGTERM
+
+
+def blame_order(end: RankEnd) -> tuple[bool, float, int]:
+    """Sort key for failed ranks: one that failed on its own before one torchrun stopped; then the earliest."""
+    return end.stopped_by_torchrun, end.time, end.rank
+
+
+def _read_status(run_dir: str, rank: int) -> list[dict]:
+    try:
+        with open(protocol.rank_file(run_dir, rank, "status"), encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def _last_attempt(events: list[dict]) -> _Attempt:
+    """A rank's last 'start' event, and the 'exit' and 'exception' events that followed it, if any."""
+    attempt = _Attempt()
+    for e in events:
+        if e["event"] == "start":
+            attempt = _Attempt(start=e)
+        elif e["event"] == "exit":
+            attempt.end = e
+        elif e["event"] == "exception":
+            attempt.raised = e
+    return attempt
+
+
+def _rank_ends(run_dir: str, world_size: int, agents: Sequence[subprocess.Popen]) -> dict[int, RankEnd]:
+    """Each rank's exit code (torch's failure record first, else the shim's) and, for failures, how and when."""
+    failures: dict[int, dict] = {}
+    for i in range(len(agents)):
+        try:
+            with open(protocol.agent_file(run_dir, i, "failures"), encoding="utf-8") as f:
+                failures.update({int(k): v for k, v in json.load(f).items()})
+        except (FileNotFoundError, ValueError):
+            pass
+    all_ok = all(a.returncode == 0 for a in agents)
+    ends = {}
+    for r in range(world_size):
+        attempt = _last_attempt(_read_status(run_dir, r))
+        if r in failures:
+            code = failures[r]["exitcode"]
+        elif attempt.end is not None:
+            code = attempt.end["code"]
+        else:
+            code = 0 if all_ok else None
+        when = (attempt.raised or attempt.end or {}).get("time", failures.get(r, {}).get("timestamp"))
+        ends[r] = RankEnd(r, code, attempt.raised["type"] if attempt.raised else None,
+                          math.inf if when is None else when)
+    return ends
+
+
+def _describe_exit(code: int | None) -> str:
+    name = diagnose.signal_name(code)
+    return f"was killed by {name} (exit code {code})" if name else f"exited with code {code}"
+
+
+def _describe_failure(end: RankEnd) -> str:
+    if end.raised is None:
+        return _describe_exit(end.exitcode)
+    if end.exitcode == 1:
+        return f"raised {end.raised} (exit code 1)"
+    return f"raised {end.raised}, then {_describe_exit(end.exitcode)} while shutting down"
+
+
+def _failure_error(result: TorchrunResult, ends: Mapping[int, RankEnd]) -> TorchrunError:
+    failed = sorted((e for e in ends.values() if e.failed), key=blame_order)
+    if not failed:
+        tail = "\n".join(result.agent_output[-20:])
+        return TorchrunError(f"torchrun itself failed (exit code {result.returncode}) before any rank "
+                             f"reported an error. Its last lines:\n{tail}", result)
+    first, others = failed[0], sorted(failed[1:], key=lambda e: e.rank)
+    head = f"rank {first.rank} {_describe_failure(first)}"
+    if others:
+        head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
+            f"rank {e.rank} {_describe_failure(e)}" for e in others)
+    early = [e.rank for e in ends.values() if e.exitcode == 0]
+    if early:
+        names = ", ".join(f"rank {r}" for r in early)
+        head += (f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
+                 f"that leaves early (say, skipping a collective) makes its peers fail or hang")
+    tb = diagnose.last_traceback(result.stderr[first.rank])
+    body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
+    return TorchrunError(f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}", result,
+                         rank=first.rank, exitcode=first.exitcode)
+
+
+def _hang_error(result: TorchrunResult, job: _Job, hang: str, stacks: Mapping[int, str],
+                attempts: Mapping[int, _Attempt]) -> TorchrunError:
+    """Name the rank(s) that caused a hang (timeout or stall), from their stack dumps."""
+    states = []
+    for r in range(job.world_size):
+        attempt = attempts[r]
+        state = diagnose.rank_state(r, stacks.get(r) or None, job.script_path, r in stacks,
+                                    attempt.end["code"] if attempt.end else None)
+        state.started = attempt.start is not None
+        states.append(state)
+    stuck, why = diagnose.culprits(states)
+    when = (f"timed out after {job.timeout:g} s" if hang == "timeout" else
+            f"stalled: every rank had printed, then none printed anything for {job.stall_timeout:g} s")
+    lines = [f"{when}; stuck: " + ", ".join(f"rank {s.rank}" for s in stuck) + f" ({why})."]
+    lines += [f"  {s.describe()}" for s in stuck]
+    waiting = [s for s in states if s not in stuck]
+    if waiting:
+        lines.append("Waiting for them:")
+        lines += [f"  {s.describe()}" for s in waiting]
+    lines.append("Every rank was killed. Full stacks: .stacks on this error; logs: .result.")
+    return TorchrunError("\n".join(lines), result, timed_out=True, stuck_ranks=[s.rank for s in stuck],
+                         stacks=stacks)
+
+
+# ---- small helpers ------------------------------------------------------------------------------------------
+
+
 def _check_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a whole number such as 2, not {value!r} ({type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, not {value}")
     return value
+
+
+def _check_seconds(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"{name} must be a positive number of seconds (or None for no limit), not {value!r}")
+    return float(value)
+
+
+def _check_backend(backend: str, nproc_per_node: int) -> None:
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
+    if backend == "nccl":
+        gpus = _gpu_count(sys.executable)
+        if gpus < nproc_per_node:
+            raise RuntimeError(
+                f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
+                f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
+                f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
+                f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
 
 
 def _free_port() -> int:
@@ -150,38 +596,6 @@ def _live_ranks(live: bool | Iterable[int], world_size: int) -> set[int]:
     return ranks
 
 
-def _read_status(run_dir: str, rank: int) -> list[dict]:
-    try:
-        with open(os.path.join(run_dir, f"rank{rank}.status"), encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def _last_attempt(events: list[dict]) -> tuple[dict | None, dict | None, dict | None]:
-    """A rank's last 'start' event, and the 'exit' and 'exception' events that followed it, if any."""
-    start = end = raised = None
-    for e in events:
-        if e["event"] == "start":
-            start, end, raised = e, None, None
-        elif e["event"] == "exit":
-            end = e
-        elif e["event"] == "exception":
-            raised = e
-    return start, end, raised
-
-
-def _alive(target: int, group: bool = False) -> bool:
-    """Whether a process (or, with ``group``, any member of a process group) still exists."""
-    try:
-        (os.killpg if group else os.kill)(target, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _node_args(nnodes: int, run_id: str) -> list[list[str]]:
     """torchrun's rendezvous flags for each simulated node (one node: --standalone)."""
     if nnodes == 1:
@@ -192,6 +606,23 @@ def _node_args(nnodes: int, run_id: str) -> list[list[str]]:
             for i in range(nnodes)]
 
 
+def _alive(target: int, group: bool = False) -> bool:
+    """Whether a process (not a zombie) or, with ``group``, any member of a process group still exists."""
+    try:
+        (os.killpg if group else os.kill)(target, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not group:
+        try:
+            with open(f"/proc/{target}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # an exited, unreaped process answers no signal
+        except (OSError, IndexError):
+            pass
+    return True
+
+
 def _signal_groups(pgids: Iterable[int], sig: int) -> None:
     for pgid in pgids:
         try:
@@ -200,313 +631,9 @@ def _signal_groups(pgids: Iterable[int], sig: int) -> None:
             pass
 
 
-def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, nnodes: int = 1,
-             timeout: float | None = DEFAULT_TIMEOUT, env: Mapping[str, object] | None = None,
-             cwd: str | os.PathLike | None = None, live: bool | Iterable[int] = True,
-             backend: str | None = None, torchrun_args: Sequence[str] = (),
-             show_agent: bool = False, grace: float = 3.0) -> TorchrunResult:
-    """Run ``script`` under real torchrun, stream each rank's lines live, and raise ``TorchrunError`` on failure.
-
-    ``nnodes=K`` simulates K nodes on this machine (K agents, c10d rendezvous on 127.0.0.1).
-    ``live`` is True (all ranks), False, or the ranks to show while running; all lines are kept.
-    ``backend`` ("gloo" or "nccl") is passed to the script as ``DDP_BACKEND`` and checked first.
-    ``timeout`` is a wall-clock limit in seconds (None: no limit) after which every rank's stack
-    is dumped, every process is killed, and the error names the rank(s) that were stuck.
-    """
-    nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
-    nnodes = _check_count("nnodes", nnodes)
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0 or math.isinf(timeout)):
-        raise ValueError(f"timeout must be a positive number of seconds (or None for no limit), not {timeout!r}")
-    run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-    if not os.path.isdir(run_cwd):
-        raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
-    script = os.fspath(script)
-    script_path = os.path.join(run_cwd, script)
-    if not os.path.isfile(script_path):
-        raise FileNotFoundError(
-            f"script {script!r} not found (looked for {script_path}). Write it first "
-            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to.")
-    world_size = nproc_per_node * nnodes
-    show = _live_ranks(live, world_size)
-    cores = os.cpu_count() or 1
-    if world_size > cores:
-        warnings.warn(f"{world_size} ranks on {cores} CPU core(s): ranks will share cores, which is fine "
-                      f"for learning but slow, and timings will not mean much.", stacklevel=2)
-    extra_env = {str(k): str(v) for k, v in (env or {}).items()}
-    if backend is not None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
-        if backend == "nccl":
-            gpus = _gpu_count(sys.executable)
-            if gpus < nproc_per_node:
-                raise RuntimeError(
-                    f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
-                    f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
-                    f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
-                    f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
-        extra_env["DDP_BACKEND"] = backend
-
-    run_id = uuid.uuid4().hex[:12]
-    run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{run_id}_")
-    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "DDP_HELPERS_RUN_DIR": run_dir,
-                 "DDP_HELPERS_RUN_ID": run_id, "DDP_HELPERS_PARENT_PID": str(os.getpid()),
-                 "DDP_HELPERS_LIFELINE": "1"}
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-
-    script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
-    node_args = _node_args(nnodes, run_id)
-    # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
-    plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
-             f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
-
-    streams: dict[tuple[str, int], _Stream] = {}
-    for r in range(world_size):
-        streams["out", r] = _Stream(os.path.join(run_dir, f"rank{r}.stdout"), f"[rank {r}] ",
-                                    sys.stdout if r in show else None)
-        streams["err", r] = _Stream(os.path.join(run_dir, f"rank{r}.stderr"), f"[rank {r}] ",
-                                    sys.stderr if r in show else None)
-    agent_streams = []
-    agents: list[subprocess.Popen] = []
-    lifeline_r, lifeline_w = os.pipe()
-    start = time.monotonic()
-    deadline = None if timeout is None else start + timeout
-    try:
-        for i, node in enumerate(node_args):
-            tag = "torchrun" if nnodes == 1 else f"torchrun node {i}"
-            for kind, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                path = os.path.join(run_dir, f"agent{i}.{kind}")
-                agent_streams.append(_Stream(path, f"[{tag}] ", out if show_agent else None))
-            with open(os.path.join(run_dir, f"agent{i}.stdout"), "wb") as o, \
-                    open(os.path.join(run_dir, f"agent{i}.stderr"), "wb") as e:
-                cmd = [sys.executable, "-m", "ddp_helpers._agent", *node,
-                       f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd]
-                agents.append(subprocess.Popen(cmd, cwd=run_cwd, env={**child_env, "DDP_HELPERS_AGENT": str(i)},
-                                               stdin=lifeline_r, stdout=o, stderr=e, start_new_session=True))
-        os.close(lifeline_r)
-        lifeline_r = -1
-
-        timed_out = _wait(agents, streams, agent_streams, deadline)
-        stacks: dict[int, str] = {}
-        if timed_out:
-            stacks = _dump_stacks(run_dir, world_size, streams, agent_streams)
-        _terminate(agents, run_dir, world_size, grace)
-        for s in (*streams.values(), *agent_streams):
-            s.finish()
-        _flush()
-        codes, how = _exitcodes(run_dir, world_size, agents)
-        result = _result(plain, agents, start, streams, agent_streams, codes)
-        if timed_out:
-            raise _timeout_error(result, run_dir, world_size, script_path, stacks, timeout)
-        if result.returncode != 0:
-            raise _failure_error(result, how)
-        return result
-    finally:
-        # Runs on success, failure, timeout and KeyboardInterrupt alike: nothing outlives the call.
-        if lifeline_r >= 0:
-            os.close(lifeline_r)
-        _terminate(agents, run_dir, world_size, grace)
-        os.close(lifeline_w)  # every agent and worker still alive now kills its own group
-        for a in agents:
-            try:
-                a.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        _flush()
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _wait(agents: Sequence[subprocess.Popen], streams: Mapping[object, _Stream],
-          agent_streams: Sequence[_Stream], deadline: float | None) -> bool:
-    """Stream output until every agent has exited; True if the deadline passed first."""
-    first_failure = None
-    while True:
-        _poll(streams, agent_streams)
-        codes = [a.poll() for a in agents]
-        if all(c is not None for c in codes):
-            return False
-        now = time.monotonic()
-        if first_failure is None and any(c not in (None, 0) for c in codes):
-            first_failure = now  # one simulated node failed; give the others a moment to notice
-        if first_failure is not None and now - first_failure > 10:
-            return False
-        if deadline is not None and now > deadline:
-            return True
-        time.sleep(POLL_INTERVAL)
-
-
-def _poll(streams: Mapping[object, _Stream], agent_streams: Sequence[_Stream]) -> None:
-    wrote = False
-    for s in (*streams.values(), *agent_streams):
-        wrote |= s.poll()
-    if wrote:
-        _flush()
-
-
 def _flush() -> None:
     for out in (sys.stdout, sys.stderr):
         try:
             out.flush()
         except (OSError, ValueError):
             pass
-
-
-def _worker_pgids(run_dir: str, world_size: int) -> set[int]:
-    pgids = set()
-    for r in range(world_size):
-        for e in _read_status(run_dir, r):
-            if e["event"] == "start":
-                pgids.add(e["pgid"])
-    return pgids
-
-
-def _terminate(agents: Sequence[subprocess.Popen], run_dir: str, world_size: int, grace: float) -> None:
-    """SIGTERM every agent's and worker's process group, wait ``grace`` seconds, then SIGKILL what is left."""
-    running = [a for a in agents if a.poll() is None]
-    workers = _worker_pgids(run_dir, world_size)
-    live_workers = {g for g in workers if _alive(g, group=True)}  # a rank's children count too
-    if not running and not live_workers:
-        return
-    groups = {a.pid for a in running} | live_workers
-    _signal_groups(groups, signal.SIGTERM)
-    end = time.monotonic() + grace
-    while time.monotonic() < end:
-        if all(a.poll() is not None for a in running) and not any(_alive(g, group=True) for g in live_workers):
-            break
-        time.sleep(0.05)
-    _signal_groups(groups | _worker_pgids(run_dir, world_size), signal.SIGKILL)
-    for a in running:
-        try:
-            a.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _dump_stacks(run_dir: str, world_size: int, streams: Mapping[tuple[str, int], _Stream],
-                 agent_streams: Sequence[_Stream]) -> dict[int, str]:
-    """Ask every live rank for a faulthandler dump of all its threads, and collect what arrives."""
-    marks = {}
-    for r in range(world_size):
-        begin, _, _ = _last_attempt(_read_status(run_dir, r))
-        if begin and _alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
-            _poll(streams, agent_streams)
-            marks[r] = len(streams["err", r].lines)
-            try:
-                os.kill(begin["pid"], STACK_SIGNAL)
-            except ProcessLookupError:
-                marks.pop(r)
-    stop = time.monotonic() + 3.0
-    quiet_since = time.monotonic()
-    while marks and time.monotonic() < stop:
-        time.sleep(0.1)
-        if any(s.poll() for s in (*streams.values(), *agent_streams)):
-            quiet_since = time.monotonic()
-            _flush()
-        done = all(any("most recent call first" in line for line in streams["err", r].lines[m:])
-                   for r, m in marks.items())
-        if done and time.monotonic() - quiet_since > 0.3:
-            break
-    return {r: "\n".join(streams["err", r].lines[m:]) for r, m in marks.items()}
-
-
-def _exitcodes(run_dir: str, world_size: int,
-               agents: Sequence[subprocess.Popen]) -> tuple[dict[int, int | None], dict[int, dict]]:
-    """Each rank's exit code (torch's failure record, else the shim's) and, for failed ranks, how and when."""
-    failures: dict[int, dict] = {}
-    for i in range(len(agents)):
-        try:
-            with open(os.path.join(run_dir, f"agent{i}.failures"), encoding="utf-8") as f:
-                failures.update({int(k): v for k, v in json.load(f).items()})
-        except (FileNotFoundError, ValueError):
-            pass
-    codes: dict[int, int | None] = {}
-    how: dict[int, dict] = {}
-    all_ok = all(a.returncode == 0 for a in agents)
-    for r in range(world_size):
-        _, end, raised = _last_attempt(_read_status(run_dir, r))
-        if r in failures:
-            codes[r] = failures[r]["exitcode"]
-        elif end is not None:
-            codes[r] = end["code"]
-        else:
-            codes[r] = 0 if all_ok else None
-        if codes[r] not in (0, None):
-            # The shim's clock is exact; torch's failure timestamp is whole seconds.
-            when = raised["time"] if raised else (end["time"] if end else failures.get(r, {}).get("timestamp"))
-            how[r] = {"time": math.inf if when is None else when, "raised": raised}
-    return codes, how
-
-
-def _result(plain: list[str], agents: Sequence[subprocess.Popen], start: float,
-            streams: Mapping[tuple[str, int], _Stream], agent_streams: Sequence[_Stream],
-            codes: dict[int, int | None]) -> TorchrunResult:
-    world_size = len(codes)
-    rc = next((a.returncode for a in agents if a.returncode not in (0, None)), 0)
-    if any(a.returncode is None for a in agents):
-        rc = rc or -signal.SIGKILL
-    return TorchrunResult(
-        command=shlex.join(plain), returncode=rc, duration=time.monotonic() - start,
-        stdout={r: streams["out", r].lines for r in range(world_size)},
-        stderr={r: streams["err", r].lines for r in range(world_size)},
-        exitcodes=codes, agent_output=[line for s in agent_streams for line in s.lines])
-
-
-def _describe_exit(code: int | None) -> str:
-    name = diagnose.signal_name(code)
-    return f"was killed by {name} (exit code {code})" if name else f"exited with code {code}"
-
-
-def _failure_error(result: TorchrunResult, how: Mapping[int, dict]) -> TorchrunError:
-    codes = result.exitcodes
-    failed = sorted(how)
-    if not failed:
-        tail = "\n".join(result.agent_output[-20:])
-        return TorchrunError(f"torchrun itself failed (exit code {result.returncode}) before any rank "
-                             f"reported an error. Its last lines:\n{tail}", result)
-    # A rank that raised beats one that torchrun stopped with SIGTERM; then the earliest wins.
-    first = min(failed, key=lambda r: (how[r]["raised"] is None and codes[r] == -signal.SIGTERM,
-                                       how[r]["time"], r))
-    head = f"rank {first} {_describe_failure(codes[first], how[first]['raised'])}"
-    others = [r for r in failed if r != first]
-    if others:
-        head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
-            f"rank {r} {_describe_failure(codes[r], how[r]['raised'])}" for r in others)
-    early = [r for r, c in codes.items() if c == 0]
-    if early:
-        names = ", ".join(f"rank {r}" for r in early)
-        head += (f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
-                 f"that leaves early (say, skipping a collective) makes its peers fail or hang")
-    tb = diagnose.last_traceback(result.stderr[first])
-    body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
-    return TorchrunError(f"{head}.\n--- rank {first} stderr (last traceback) ---\n{body}", result,
-                         rank=first, exitcode=codes[first])
-
-
-def _describe_failure(code: int | None, raised: dict | None) -> str:
-    if raised is None:
-        return _describe_exit(code)
-    if code == 1:
-        return f"raised {raised['type']} (exit code 1)"
-    return f"raised {raised['type']}, then {_describe_exit(code)} while shutting down"
-
-
-def _timeout_error(result: TorchrunResult, run_dir: str, world_size: int, script: str,
-                   stacks: Mapping[int, str], timeout: float) -> TorchrunError:
-    states = []
-    for r in range(world_size):
-        begin, end, _ = _last_attempt(_read_status(run_dir, r))
-        alive = r in stacks
-        code = end["code"] if end else None
-        state = diagnose.rank_state(r, stacks.get(r) or None, script, alive, code)
-        state.started = begin is not None
-        states.append(state)
-    stuck, why = diagnose.culprits(states)
-    lines = [f"timed out after {timeout:g} s; stuck: " + ", ".join(f"rank {s.rank}" for s in stuck) + f" ({why})."]
-    lines += [f"  {s.describe()}" for s in stuck]
-    waiting = [s for s in states if s not in stuck]
-    if waiting:
-        lines.append("Waiting for them:")
-        lines += [f"  {s.describe()}" for s in waiting]
-    lines.append("Every rank was killed. Full stacks: .stacks on this error; logs: .result.")
-    return TorchrunError("\n".join(lines), result, timed_out=True, stuck_ranks=[s.rank for s in stuck],
-                         stacks=stacks)

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from ddp_helpers import _protocol as protocol
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def leftover_processes(parent_pid: int) -> list[str]:
     """Live (non-zombie) processes started by a ddp_helpers launch from ``parent_pid``."""
-    marker = f"DDP_HELPERS_PARENT_PID={parent_pid}".encode()
+    marker = f"{protocol.PARENT_PID}={parent_pid}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():

@@ -139,7 +139,8 @@ def test_hang_is_killed_and_the_culprit_named(script):
     with pytest.raises(TorchrunError) as info:
         torchrun(script(HANG), nproc_per_node=2, live=False, timeout=12)
     err = info.value
-    assert err.timed_out and err.stuck_ranks == [1]
+    assert err.timed_out and err.stuck_ranks == [1], str(err)
+    assert str(err).startswith("timed out after 12 s; stuck: rank 1"), str(err)
     message = str(err)
     assert "rank 1 is busy at job.py:8" in message  # the sleeping line
     assert "rank 0 waits in torch.distributed `all_reduce` called at job.py:9" in message
@@ -167,16 +168,42 @@ def test_mismatched_collectives_are_reported(script):
     path = script("""
         import torch, torch.distributed as dist
         dist.init_process_group("gloo")
+        print("ready", flush=True)
         if dist.get_rank() == 0:
             dist.barrier()
         else:
             dist.recv(torch.zeros(1), src=0)
     """)
     with pytest.raises(TorchrunError) as info:
-        torchrun(path, nproc_per_node=2, live=False, timeout=12)
+        torchrun(path, nproc_per_node=2, live=False, stall_timeout=3)
     err = info.value
-    assert err.timed_out and err.stuck_ranks == [0, 1]
+    assert err.timed_out and err.stuck_ranks == [0, 1], str(err)
     assert "different collectives" in str(err)
+
+
+def test_stall_counts_from_the_ranks_output_not_from_the_launch(script):
+    # Silent for longer than stall_timeout before its first line (a slow start on a busy machine): not a stall.
+    # Then lines every 0.2 s for 2 s: not a stall either. Then silence in a collective rank 1 never joins: a stall.
+    path = script("""
+        import json, os, time
+        time.sleep(4)
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        for i in range(10):
+            print(json.dumps({"rank": rank, "tick": i}), flush=True)
+            time.sleep(0.2)
+        if rank == 1:
+            time.sleep(3600)
+        dist.all_reduce(torch.ones(1))
+    """)
+    with pytest.raises(TorchrunError) as info:
+        torchrun(path, nproc_per_node=2, live=False, stall_timeout=2, timeout=300)
+    err = info.value
+    assert err.timed_out and err.stuck_ranks == [1], str(err)
+    assert str(err).startswith("stalled: every rank had printed, then none printed anything for 2 s"), str(err)
+    assert [r["tick"] for r in err.result.records(rank=0)] == list(range(10)), err.result.stdout[0]
+    assert "all_reduce" in err.stacks[0], err.stacks[0]
 
 
 def _parent(tmp_path: Path, target: Path) -> subprocess.Popen:
@@ -202,6 +229,10 @@ def test_interrupt_kills_every_process(script, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert "KeyboardInterrupt" in err
+    # One plain line before the traceback says so, and it is true.
+    assert ("ddp_helpers: interrupted; all 2 rank(s) and their torchrun agent(s) were stopped, "
+            "nothing is left running") in err, err
+    assert err.index("ddp_helpers: interrupted") < err.index("KeyboardInterrupt"), err
     assert wait_for_no_leftovers(proc.pid, within=5) == []
 
 
@@ -284,6 +315,7 @@ def test_torchrun_args_pass_through_for_restarts(script):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"nproc_per_node": 0}, ValueError, "nproc_per_node must be at least 1"),
+    ({"stall_timeout": -1}, ValueError, "stall_timeout must be a positive number"),
     ({"nproc_per_node": "2"}, TypeError, "nproc_per_node must be a whole number"),
     ({"nproc_per_node": 2.5}, TypeError, "nproc_per_node must be a whole number"),
     ({"nproc_per_node": True}, TypeError, "nproc_per_node must be a whole number"),

@@ -165,3 +165,52 @@ def test_nothing_points_outside_the_repository():
     tracked += NOTEBOOKS + SCRIPTS + sorted((REPO / "ddp_helpers").glob("*.py"))
     outside = [p.name for p in tracked if re.search(r"\.\./shared|shared/seed", p.read_text())]
     assert not outside, f"these point at ../shared, which a clone does not have: {outside}"
+
+
+# Scripts whose setup() differs from 00_hello.py's on purpose (each script stands alone, so each has a copy).
+SETUP_VARIANTS = {
+    "05_elastic.py": "a --plain-init switch; join_process_group, which survives torchrun's restarts",
+    "06_train.py": "also runs under plain python (nanoGPT's RANK test); join_process_group",
+    "07_gallery.py": "returns (rank, device) only",
+    "07_tools.py": "passes --pg-timeout to init_process_group",
+}
+
+
+def _functions(path: Path) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+
+def _device_block(setup: ast.FunctionDef) -> str:
+    """The backend choice and the device/set_device `if` that every setup() shares, as an AST dump."""
+    body = setup.body
+    i = next(i for i, s in enumerate(body) if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "backend")
+    nxt = next(s for s in body[i + 1:] if isinstance(s, ast.If))
+    return ast.dump(body[i]) + ast.dump(nxt)
+
+
+def test_setup_copies_agree_or_differ_only_as_listed():
+    reference = _functions(REPO / "notebooks" / "scripts" / "00_hello.py")["setup"]
+    with_setup = {p.name: _functions(p)["setup"] for p in SCRIPTS if "setup" in _functions(p)}
+    assert set(SETUP_VARIANTS) <= set(with_setup), "a listed variant no longer has a setup()"
+    for name, setup in with_setup.items():
+        if name in SETUP_VARIANTS:
+            assert _device_block(setup) == _device_block(reference), f"{name}: the device/backend choice differs"
+        else:
+            assert ast.dump(setup) == ast.dump(reference), (
+                f"{name}: setup() differs from 00_hello.py's; make them equal or list why in SETUP_VARIANTS")
+    joins = {p.name: ast.dump(_functions(p)["join_process_group"]) for p in SCRIPTS
+             if "join_process_group" in _functions(p)}
+    assert {"05_elastic.py", "06_train.py"} <= set(joins) and len(set(joins.values())) == 1, (
+        f"the copies of join_process_group differ: {sorted(joins)}")
+
+
+def test_the_launch_protocol_is_spelled_only_in_its_module():
+    protocol = (REPO / "ddp_helpers" / "_protocol.py").read_text()
+    for path in sorted((REPO / "ddp_helpers").glob("*.py")):
+        if path.name == "_protocol.py":
+            continue
+        text = path.read_text()
+        for pattern in (r"DDP_HELPERS_\w+", r"rank\{\w+\}\.", r"agent\{\w+\}\.", r"SIGUSR1"):
+            found = re.findall(pattern, text)
+            assert not found, f"{path.name} spells {found}: use the names in ddp_helpers/_protocol.py"
+    assert "RUN_DIR" in protocol and "STACK_SIGNAL" in protocol

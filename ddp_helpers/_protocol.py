@@ -1,0 +1,89 @@
+"""How the launcher, the agent wrapper and the worker shim talk to each other. Torch-free.
+
+The launcher (``launcher.torchrun``) makes a private **run folder** and starts one agent per simulated
+node, ``python -m ddp_helpers._agent TORCHRUN_ARGS -m ddp_helpers._worker SCRIPT ARGS``, in a process
+group of its own, with the variables below in its environment and the read end of the **lifeline**
+pipe as its stdin. Everything else travels through files in the run folder:
+
+- ``rank{r}.stdout``, ``rank{r}.stderr``: global rank ``r``'s output; the shim points the rank's file
+  descriptors 1 and 2 at them (appending, so a restarted attempt continues the same files).
+- ``rank{r}.status``: one JSON object per line, appended by the shim: ``start`` (pid, pgid, local
+  and group rank, restart count), then ``exception`` (type, message) if the script raised, then
+  ``exit`` (code). Each has a ``time`` (``time.time()``). A restart appends a new ``start``.
+- ``agent{i}.stdout``, ``agent{i}.stderr``: agent ``i``'s own log (torchrun's messages).
+- ``agent{i}.failures``: written by agent ``i`` when its workers failed: torch's failure record as
+  JSON, ``{global rank: {"exitcode", "signal", "timestamp", "local_rank"}}``.
+
+The **lifeline**: the launcher holds the only write end of a pipe whose read end is every agent's and
+worker's stdin. Each of them runs a thread that blocks reading it; end of file means the launcher
+closed it or died (even by SIGKILL), and the thread kills its own process group. Agent 0 first
+removes the run folder. Stack dumps: the launcher sends ``STACK_SIGNAL`` to a rank, whose
+``faulthandler`` writes every thread's stack to the rank's stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+# Environment variables the launcher sets for agents and workers.
+RUN_DIR = "DDP_HELPERS_RUN_DIR"  # the run folder
+RUN_ID = "DDP_HELPERS_RUN_ID"  # a short random id for the job (also torchrun's --rdzv-id with nnodes > 1)
+PARENT_PID = "DDP_HELPERS_PARENT_PID"  # the launching process; also how tests find leftover processes
+LIFELINE = "DDP_HELPERS_LIFELINE"  # "1" when stdin is the lifeline pipe
+AGENT = "DDP_HELPERS_AGENT"  # the agent's index, 0 .. nnodes - 1
+
+STACK_SIGNAL = signal.SIGUSR1  # a rank dumps every thread's stack to its stderr when it receives this
+
+
+def rank_file(run_dir: str, rank: int, kind: str) -> str:
+    """``rank{r}.stdout``, ``.stderr`` or ``.status`` in the run folder."""
+    return os.path.join(run_dir, f"rank{rank}.{kind}")
+
+
+def agent_file(run_dir: str, agent: int, kind: str) -> str:
+    """``agent{i}.stdout``, ``.stderr`` or ``.failures`` in the run folder."""
+    return os.path.join(run_dir, f"agent{agent}.{kind}")
+
+
+def hold_lifeline(remove: str | None = None) -> None:
+    """In an agent or worker: a daemon thread that kills this process group once the launcher is gone."""
+    import threading
+
+    parent = int(os.environ.get(PARENT_PID, "0"))
+    if parent:
+        threading.Thread(target=_die_with_parent, args=(parent, remove), daemon=True,
+                         name="ddp_helpers-lifeline").start()
+
+
+def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
+    """Block until the launcher is gone (even after SIGKILL), ``remove`` a folder, then kill this process group."""
+    import shutil
+    import stat
+    import time
+
+    try:
+        lifeline = stat.S_ISFIFO(os.fstat(0).st_mode) and os.environ.get(LIFELINE) == "1"
+    except OSError:
+        lifeline = False
+    if lifeline:
+        while True:  # the launcher holds the only write end: end of file means it closed it or died
+            try:
+                if os.read(0, 512) == b"":
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+    else:  # no pipe (started by hand): poll for the parent instead
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+    if remove:
+        shutil.rmtree(remove, ignore_errors=True)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
