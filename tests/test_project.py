@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -259,3 +261,39 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
     staged = nbformat.reads(git("show", ":notebooks/03_sync_batchnorm.ipynb"), as_version=4)
     assert all(c.outputs == [] and c.execution_count is None for c in staged.cells if c.cell_type == "code")
     assert git("diff", "--cached", "--stat") == "", "nothing was staged behind the learner's back"
+
+
+def test_the_open_commands_printed_address_opens_notebook_00():
+    """Start JupyterLab as the README's open command does and follow the address it prints."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    launch = _readme_block("open-command").split("&&")[-1].split()
+    assert launch[:2] == [".venv/bin/jupyter", "lab"], launch
+    cmd = [sys.executable, "-m", "jupyterlab", *launch[2:], "--no-browser", "--ServerApp.port=0"]  # no fixed port
+    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        for line in server.stderr:  # JupyterLab prints its address once it listens
+            if m := re.search(r"(http://127\.0\.0\.1:\d+/\S+)", line):
+                address = m[1]
+                break
+        else:
+            pytest.fail("JupyterLab exited without printing an address")
+        assert "/lab/tree/notebooks/00_start_here.ipynb?token=" in address, address
+        for _ in range(600):  # the address is printed just before the server answers: retry until it does
+            try:
+                with urllib.request.urlopen(address, timeout=60) as page:
+                    assert page.status == 200 and "JupyterLab" in page.read().decode(), address
+                break
+            except urllib.error.URLError as err:
+                if not isinstance(err.reason, ConnectionRefusedError):
+                    raise
+                assert server.poll() is None, "JupyterLab exited"
+                time.sleep(0.1)
+        else:
+            pytest.fail(f"JupyterLab never answered at {address}")
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
