@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -13,6 +14,15 @@ import pytest
 from ddp_helpers import _protocol as protocol
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def committed_text(path: Path) -> str:
+    """What git would commit for ``path``: its staged version, so that a learner's saved outputs or
+    edits in the working tree never fail these checks. Outside a git checkout (or for a file git does
+    not track yet) that is the file itself."""
+    rel = path.resolve().relative_to(REPO).as_posix()
+    shown = subprocess.run(["git", "show", f":{rel}"], cwd=REPO, capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else path.read_text()
 
 
 def leftover_processes(parent_pid: int) -> list[str]:

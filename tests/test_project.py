@@ -16,20 +16,11 @@ import nbformat
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, committed_text
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SCRIPTS = sorted((REPO / "notebooks" / "scripts").glob("*.py"))
 CONDA_NAMES = {"torch": "pytorch"}  # where conda-forge names a package differently
-
-
-def committed_text(path: Path) -> str:
-    """What git would commit for ``path``: its staged version, so that a learner's saved outputs or
-    edits in the working tree never fail these checks. Outside a git checkout (or for a file git does
-    not track yet) that is the file itself."""
-    rel = path.resolve().relative_to(REPO).as_posix()
-    shown = subprocess.run(["git", "show", f":{rel}"], cwd=REPO, capture_output=True, text=True)
-    return shown.stdout if shown.returncode == 0 else path.read_text()
 
 
 def _writefile_cells(nb_path: Path) -> dict[str, str]:

@@ -75,6 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     rank, device = setup()
+    print(json.dumps({"rank": rank, "event": "ready"}), flush=True)  # in the group: what comes next is the case
     for name in CASES if args.case == "all" else [args.case]:
         CASES[name](rank, device, args.buggy, args)
         print(json.dumps({"rank": rank, "case": name, "buggy": args.buggy, "event": "passed"}), flush=True)
