@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         torchrun(ns.script, *ns.args, nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes,
-                 timeout=ns.timeout, stall_timeout=ns.stall_timeout,
+                 timeout=ns.timeout, stall_timeout=ns.stall_timeout, warm=False,  # one launch: nothing to reuse
                  live=True if ns.live_ranks is None else ns.live_ranks)
     except TorchrunError as e:
         print(f"ddp_helpers: {e}", file=sys.stderr)

@@ -14,11 +14,13 @@ pipe as its stdin. Everything else travels through files in the run folder:
 - ``agent{i}.failures``: written by agent ``i`` when its workers failed: torch's failure record as
   JSON, ``{global rank: {"exitcode", "signal", "timestamp", "local_rank"}}``.
 
-The **lifeline**: the launcher holds the only write end of a pipe whose read end is every agent's and
-worker's stdin. Each of them runs a thread that blocks reading it; end of file means the launcher
-closed it or died (even by SIGKILL), and the thread kills its own process group. Agent 0 first
-removes the run folder. Stack dumps: the launcher sends ``STACK_SIGNAL`` to a rank, whose
-``faulthandler`` writes every thread's stack to the rank's stderr.
+The **lifeline**: the launcher holds the only write end of a pipe whose read end every agent and
+worker holds (as stdin, or as the descriptor ``DDP_HELPERS_LIFELINE`` names). Each of them runs a
+thread that blocks reading it; end of file means the launcher closed it or died (even by SIGKILL),
+and the thread kills its own process group. Agent 0 first removes the run folder.
+
+Stack dumps: the launcher sends ``STACK_SIGNAL`` to a rank, whose ``faulthandler`` writes every
+thread's stack to the rank's stderr.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ import signal
 RUN_DIR = "DDP_HELPERS_RUN_DIR"  # the run folder
 RUN_ID = "DDP_HELPERS_RUN_ID"  # a short random id for the job (also torchrun's --rdzv-id with nnodes > 1)
 PARENT_PID = "DDP_HELPERS_PARENT_PID"  # the launching process; also how tests find leftover processes
-LIFELINE = "DDP_HELPERS_LIFELINE"  # "1" when stdin is the lifeline pipe
+LIFELINE = "DDP_HELPERS_LIFELINE"  # the file descriptor of the lifeline pipe ("0": stdin)
 AGENT = "DDP_HELPERS_AGENT"  # the agent's index, 0 .. nnodes - 1
+WARM_OWNER = "DDP_HELPERS_WARM_OWNER"  # in a warm process's environment: the pid of the process it serves
+LAUNCH_VARIABLES = (RUN_DIR, RUN_ID, PARENT_PID, LIFELINE, AGENT, WARM_OWNER)
+WARM_MODULE = "ddp_helpers._warm"  # the warm process runs ``python -u -m ddp_helpers._warm SOCKET``
 
 STACK_SIGNAL = signal.SIGUSR1  # a rank dumps every thread's stack to its stderr when it receives this
 
@@ -62,14 +67,15 @@ def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
     import stat
     import time
 
+    fd = int(os.environ.get(LIFELINE, "-1"))
     try:
-        lifeline = stat.S_ISFIFO(os.fstat(0).st_mode) and os.environ.get(LIFELINE) == "1"
+        lifeline = fd >= 0 and stat.S_ISFIFO(os.fstat(fd).st_mode)
     except OSError:
         lifeline = False
     if lifeline:
         while True:  # the launcher holds the only write end: end of file means it closed it or died
             try:
-                if os.read(0, 512) == b"":
+                if os.read(fd, 512) == b"":
                     break
             except InterruptedError:
                 continue

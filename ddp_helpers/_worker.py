@@ -18,6 +18,9 @@ import types
 from ddp_helpers import _protocol as protocol
 
 
+MAIN_PROCESS = None  # set by the warm process (_warm.serve) to its multiprocessing.current_process()
+
+
 def _write_status(path: str, **fields: object) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(fields) + "\n")
@@ -66,6 +69,44 @@ def main(argv: list[str]) -> None:
         raise
     finally:
         _write_status(status, event="exit", code=code, time=time.time())
+
+
+def forked(*python_args: str) -> None:
+    """A worker forked by a warm agent: ``python_args`` is what torchrun would pass to ``python``."""
+    import atexit
+
+    args = list(python_args)
+    _like_a_fresh_process()
+    main(args[args.index("ddp_helpers._worker") + 1:])
+    atexit._run_exitfuncs()  # what the interpreter does when a script ends; the fork then exits at once
+
+
+def _like_a_fresh_process() -> None:
+    """Undo what a fork inherits and a fresh ``python`` would not have: the agent's signal handlers, the
+    main-process identity, random seeds, and torch's thread count from OMP_NUM_THREADS (read at import)."""
+    import multiprocessing.process
+    import random
+    import signal
+
+    fresh = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}
+    for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        try:
+            signal.signal(sig, fresh.get(sig, signal.SIG_DFL))  # e.g. torchrun's SIGTERM handler in the agent
+        except (OSError, ValueError):
+            pass
+
+    if MAIN_PROCESS is not None:  # the warm process's own "MainProcess": what a fresh interpreter reports
+        multiprocessing.process._current_process = MAIN_PROCESS
+        multiprocessing.process._parent_process = None
+    random.seed()  # a fresh interpreter seeds these from the OS, each process its own
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    import torch
+
+    torch.seed()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -134,7 +134,7 @@ def check_job(timeout: float) -> Check:
         warnings.simplefilter("ignore")  # the launcher's "more ranks than cores" warning: the cores line covers it
         Path(tmp, "doctor_job.py").write_text(JOB, encoding="utf-8")
         try:
-            result = torchrun("doctor_job.py", nproc_per_node=2, timeout=timeout, cwd=tmp, live=False)
+            result = torchrun("doctor_job.py", nproc_per_node=2, timeout=timeout, cwd=tmp, live=False, warm=False)
         except TorchrunError as e:
             how = str(e).splitlines()[0]
             err = [text.strip() for text in e.result.stderr.get(e.rank, []) if text.strip()]

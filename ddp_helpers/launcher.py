@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from ddp_helpers import _protocol as protocol
-from ddp_helpers import diagnose
+from ddp_helpers import _warm, diagnose
 
 DEFAULT_TIMEOUT = 600.0  # wall-clock limit of a job unless the caller gives one (None: no limit)
 POLL_INTERVAL = 0.05  # how often output files and processes are checked: short enough to feel live
@@ -94,7 +94,7 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
              timeout: float | None = DEFAULT_TIMEOUT, stall_timeout: float | None = None,
              env: Mapping[str, object] | None = None, cwd: str | os.PathLike | None = None,
              live: bool | Iterable[int] = True, backend: str | None = None, torchrun_args: Sequence[str] = (),
-             show_agent: bool = False, grace: float = TERM_GRACE) -> TorchrunResult:
+             show_agent: bool = False, grace: float = TERM_GRACE, warm: bool = True) -> TorchrunResult:
     """Run ``script`` under real torchrun, stream each rank's lines live, and raise ``TorchrunError`` on failure.
 
     - ``script``: path of the script, relative to ``cwd``; it runs unchanged as ``__main__`` in every rank.
@@ -115,6 +115,10 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
     - ``torchrun_args``: extra torchrun flags, e.g. ``["--max-restarts=1"]``.
     - ``show_agent``: also print torchrun's own log lines, prefixed ``[torchrun]``.
     - ``grace``: seconds between SIGTERM and SIGKILL when the job has to be stopped.
+    - ``warm``: fork torchrun's agent and the ranks from a process of this kernel's that has already
+      imported torch (started on first use), so a launch takes a fraction of a second instead of several;
+      the flags, environment and records are torchrun's own. False runs a fresh ``torchrun`` process, as
+      does any launch whose ``env=`` sets a variable torch reads when it is imported (a note says so).
 
     Returns a ``TorchrunResult`` (per-rank ``stdout``/``stderr`` lines, ``exitcodes``, ``records()``,
     ``duration`` and the plain ``command``). No process outlives the call: not after a timeout, an
@@ -126,14 +130,14 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
         assert all(r["sum"] == 3 for r in result.records())
     """
     job = _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd, live, backend,
-                torchrun_args, show_agent, grace)
+                torchrun_args, show_agent, grace, warm)
     with _Launch(job) as launch:
         hang = launch.wait()
-        stacks = launch.dump_stacks() if hang else {}
+        stacks, attempts = (launch.dump_stacks(), launch.attempts()) if hang else ({}, {})  # as found, not as stopped
         launch.stop()
         result, ends = launch.collect()
         if hang:
-            raise _hang_error(result, job, hang, stacks, launch.attempts())
+            raise _hang_error(result, job, hang, stacks, attempts)
     if result.returncode != 0:
         raise _failure_error(result, ends)
     return result
@@ -147,7 +151,7 @@ class _Job:
     script_path: str
     cwd: str
     world_size: int
-    agent_commands: list[list[str]]  # one per simulated node
+    agent_argvs: list[list[str]]  # torchrun's arguments, one list per simulated node
     plain_command: str  # what to type outside the notebook
     env: dict[str, str]
     live: set[int]
@@ -155,10 +159,11 @@ class _Job:
     timeout: float | None
     stall_timeout: float | None
     grace: float
+    warm: bool
 
 
 def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd, live, backend,
-          torchrun_args, show_agent, grace) -> _Job:
+          torchrun_args, show_agent, grace, warm) -> _Job:
     """Check every argument (bad input fails here, before any process starts) and build the commands."""
     nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
     nnodes = _check_count("nnodes", nnodes)
@@ -187,16 +192,19 @@ def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd
     run_id = uuid.uuid4().hex[:12]
     node_args = _node_args(nnodes, run_id)
     script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
-    agent_commands = [[sys.executable, "-m", "ddp_helpers._agent", *node, f"--nproc-per-node={nproc_per_node}",
-                       *torchrun_args, *script_cmd] for node in node_args]
+    agent_argvs = [[*node, f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd] for node in node_args]
     # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
     plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
              f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
     child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", protocol.RUN_ID: run_id,
-                 protocol.PARENT_PID: str(os.getpid()), protocol.LIFELINE: "1"}
+                 protocol.PARENT_PID: str(os.getpid()), protocol.LIFELINE: "0"}
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-    return _Job(script, script_path, run_cwd, world_size, agent_commands, shlex.join(plain), child_env, shown,
-                show_agent, timeout, stall_timeout, grace)
+    import_time = _warm.import_time_env(extra_env)
+    if warm and import_time:
+        print(f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is imported: "
+              "this launch starts a fresh torchrun (warm=False)", flush=True)
+    return _Job(script, script_path, run_cwd, world_size, agent_argvs, shlex.join(plain), child_env, shown,
+                show_agent, timeout, stall_timeout, grace, warm and not import_time)
 
 
 class _Launch:
@@ -208,8 +216,7 @@ class _Launch:
         self.streams = {(kind, r): _Stream(protocol.rank_file(self.run_dir, r, kind), f"[rank {r}] ",
                                            (sys.stdout if kind == "stdout" else sys.stderr) if r in job.live else None)
                         for r in range(job.world_size) for kind in ("stdout", "stderr")}
-        tags = ["torchrun"] if len(job.agent_commands) == 1 else [f"torchrun node {i}"
-                                                                 for i in range(len(job.agent_commands))]
+        tags = ["torchrun"] if len(job.agent_argvs) == 1 else [f"torchrun node {i}" for i in range(len(job.agent_argvs))]
         self.agent_streams = [_Stream(protocol.agent_file(self.run_dir, i, kind), f"[{tag}] ",
                                       (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None)
                               for i, tag in enumerate(tags) for kind in ("stdout", "stderr")]
@@ -219,18 +226,37 @@ class _Launch:
 
     def __enter__(self) -> _Launch:
         try:
-            for i, cmd in enumerate(self.job.agent_commands):
+            warm = self._warm_process() if self.job.warm else None
+            for i, argv in enumerate(self.job.agent_argvs):
                 with open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out, \
                         open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err:
                     env = {**self.job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
-                    self.agents.append(subprocess.Popen(cmd, cwd=self.job.cwd, env=env, stdin=self.lifeline_r,
-                                                        stdout=out, stderr=err, start_new_session=True))
+                    if warm is not None:
+                        agent = warm.start_agent(argv, env, self.job.cwd, (self.lifeline_r, out.fileno(), err.fileno()))
+                    else:
+                        agent = subprocess.Popen([sys.executable, "-m", "ddp_helpers._agent", *argv], cwd=self.job.cwd,
+                                                 env=env, stdin=self.lifeline_r, stdout=out, stderr=err,
+                                                 start_new_session=True)
+                    self.agents.append(agent)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         finally:
             os.close(self.lifeline_r)  # only the agents hold the read end now
         return self
+
+    def _warm_process(self) -> _warm.WarmProcess | None:
+        """This kernel's warm process, or None (with a note) where it cannot start: the launch then runs cold."""
+        server_env = {k: v for k, v in self.job.env.items()
+                      if k not in (*protocol.LAUNCH_VARIABLES, "OMP_NUM_THREADS", "DDP_BACKEND")}
+        try:
+            process, note = _warm.warm_process(server_env)
+        except (OSError, RuntimeError) as e:
+            print(f"ddp_helpers: no warm launch ({e}); starting a fresh torchrun", flush=True)
+            return None
+        if note:
+            print(f"ddp_helpers: {note}", flush=True)
+        return process
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         # Runs on success, failure, timeout and KeyboardInterrupt alike: nothing outlives the call.

@@ -26,22 +26,27 @@ def committed_text(path: Path) -> str:
 
 
 def leftover_processes(parent_pid: int) -> list[str]:
-    """Live (non-zombie) processes started by a ddp_helpers launch from ``parent_pid``."""
+    """Live (non-zombie) processes a ddp_helpers launch from ``parent_pid`` started: cold ones carry the
+    launcher's marker in their environment; warm ones are forks of its warm process (whose first environment
+    they keep), other than the warm process itself, which lives as long as its kernel by design."""
     marker = f"{protocol.PARENT_PID}={parent_pid}".encode()
+    owner = f"{protocol.WARM_OWNER}={parent_pid}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
             with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z":
+                continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{entry}: {cmdline}")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            forked = owner in env and int(fields[1]) != parent_pid  # a fork of our warm process, not itself
+            if marker in env or forked:
+                found.append(f"{entry}: {cmdline}")
         except OSError:
             continue
     return found

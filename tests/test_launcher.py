@@ -394,3 +394,50 @@ def test_describe_environment(capsys):
     assert info["torch"] in out and f"CPU cores: {os.cpu_count()}" in out
     assert info["backend"] == ("nccl" if info["gpu_count"] else "gloo")
     assert f"backend={info['backend']!r}" in out
+
+
+PROBE = """
+    import json, logging, multiprocessing, os, random, signal, sys
+    import torch
+    try:  # a fork after CUDA was initialised cannot use CUDA: the warm agent must not have touched it
+        torch.cuda.set_device(0)
+        cuda = "ok"
+    except Exception as e:  # whatever happened, it must be the same cold and warm
+        cuda = f"{type(e).__name__}: {str(e).split('.')[0]}"
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+             "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+             "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "FOO")
+    print(json.dumps({
+        "rank": int(os.environ["RANK"]), "env": {k: os.environ.get(k) for k in names},
+        "env_names": sorted(k for k in os.environ if not k.startswith(("DDP_HELPERS_", "JPY_", "PYTEST_"))),
+        "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__, "file": __file__,
+        "threads": torch.get_num_threads(), "process": multiprocessing.current_process().name,
+        "parent": multiprocessing.parent_process() is None, "root_handlers": len(logging.getLogger().handlers),
+        "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
+        "unbuffered": sys.stdout.write_through, "random": random.random(), "torch_seed": torch.initial_seed(),
+        "cuda": cuda, "cuda_available": torch.cuda.is_available(),
+    }))
+"""
+
+
+def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
+    path = script(PROBE, name="probe.py")
+    runs = {warm: torchrun("probe.py", "--lr", 1, cwd=tmp_path, env={"FOO": "bar"}, nproc_per_node=2, live=False,
+                           timeout=300, warm=warm).records() for warm in (False, True)}
+    cold, warm = runs[False], runs[True]
+    for key in ("random", "torch_seed"):  # every process draws its own random numbers, warm or cold
+        assert len({r.pop(key) for r in cold + warm}) == 4, (key, cold, warm)
+    for c, w in zip(cold, warm):
+        assert c == w, (c, w)
+    assert cold[0]["process"] == "MainProcess" and cold[0]["env"]["OMP_NUM_THREADS"] == "1" and cold[0]["threads"] == 1
+
+
+def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, capsys):
+    path = script("""
+        import json, os, sys
+        print(json.dumps({"modules": "torch" in sys.modules, "value": os.environ.get("TORCH_CPP_LOG_LEVEL")}))
+    """)
+    result = torchrun(path, env={"TORCH_CPP_LOG_LEVEL": "INFO"}, live=False, timeout=120)
+    assert result.records() == [{"modules": False, "value": "INFO"}], result.records()  # a fresh process
+    assert "env= sets TORCH_CPP_LOG_LEVEL, which torch reads when it is imported" in capsys.readouterr().out
+    assert torchrun(path, live=False, timeout=120).records()[0]["modules"] is True  # warm: torch already there

@@ -1,0 +1,286 @@
+"""Warm launches: one process per kernel imports torch once, then forks a fresh torchrun agent per launch.
+
+Why: a cold launch starts three Python processes that each import torch (seconds each); forking from a
+process that already imported it costs milliseconds. The agent is torch's own: ``_agent.main(warm=True)``
+runs ``torch.distributed.run`` with the very flags a cold launch passes, only the workers are forked
+(``start_method="fork"``) and run the worker shim as a function instead of as ``python -m``.
+
+The **warm process** (``python -u -m ddp_helpers._warm SOCKET``) imports torch and torchvision, touches
+neither CUDA nor threads of its own, listens on a Unix socket in a private folder, and exits when its
+stdin (a pipe the kernel holds) reaches end of file, i.e. when the kernel is gone. Each launch connects,
+sends one request (JSON: the agent's argv, environment and folder) with three file descriptors (the
+launch's lifeline, the agent's stdout and stderr files), and receives ``{"pid": N}`` at once and
+``{"exit": code}`` when the agent ends. The agent runs in a session of its own, like a cold one.
+
+This module does not import torch on the kernel's side; only ``serve()`` does, in the warm process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ddp_helpers import _protocol as protocol
+
+# Variables torch and its libraries read when torch is imported (or when a library is loaded): a warm
+# process imported torch under the values it started with, so a launch that needs other values runs cold.
+IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_",
+                        "LD_", "PYTHON")
+OWN = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # the same for every launch, or applied by each forked worker itself
+_HEADER = struct.Struct("!I")
+
+
+def import_time_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that only take effect when torch is imported."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in OWN}
+
+
+# ---- the kernel's side -------------------------------------------------------------------------------------
+
+
+class WarmProcess:
+    """The kernel's handle on its warm process: started on first use, ended with the kernel."""
+
+    def __init__(self, env: dict[str, str]):
+        self.folder = tempfile.mkdtemp(prefix="ddp_helpers_warm_")  # 0700: only this user can connect
+        self.address = os.path.join(self.folder, "warm.sock")
+        self.env = dict(env)
+        # Forks keep this process's first environment block, so /proc shows whose launches they are.
+        env = {**env, protocol.WARM_OWNER: str(os.getpid())}
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", protocol.WARM_MODULE, self.address],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=env, cwd=self.folder, start_new_session=True)
+        line = self.proc.stdout.readline()  # "ready" once torch is imported and the socket listens
+        if line.strip() != b"ready":
+            self.close()
+            raise RuntimeError("the warm launcher process did not start")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def start_agent(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int]) -> WarmAgent:
+        """Fork an agent running ``torch.distributed.run`` with ``argv``; ``fds``: its lifeline, stdout, stderr."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.address)
+            payload = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+            socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], list(fds))
+            reply = _read_message(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if "error" in reply:
+            conn.close()
+            raise RuntimeError(reply["error"])
+        return WarmAgent(reply["pid"], conn)
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()  # the warm process exits at end of file
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class WarmAgent:
+    """A forked agent, with the parts of ``subprocess.Popen`` the launcher uses (pid, poll, wait, returncode)."""
+
+    def __init__(self, pid: int, conn: socket.socket):
+        self.pid, self.conn, self.returncode = pid, conn, None
+        self._buffer = b""
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout)
+            self._read(timeout=left if left is None else min(left, 0.5))
+        return self.returncode
+
+    def _read(self, timeout: float | None) -> None:
+        ready, _, _ = select.select([self.conn], [], [], timeout)
+        if not ready:
+            return
+        data = self.conn.recv(4096)
+        if not data:  # the warm process is gone: the agent's exit code is lost with it
+            self.returncode = -signal.SIGKILL
+            self.conn.close()
+            return
+        self._buffer += data
+        while len(self._buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buffer)
+            if len(self._buffer) < _HEADER.size + size:
+                break
+            message = json.loads(self._buffer[_HEADER.size:_HEADER.size + size])
+            self._buffer = self._buffer[_HEADER.size + size:]
+            if "exit" in message:
+                self.returncode = message["exit"]
+                self.conn.close()
+
+
+_lock = threading.Lock()
+_process: WarmProcess | None = None
+
+
+def warm_process(env: dict[str, str]) -> tuple[WarmProcess, str | None]:
+    """This kernel's warm process, started (or restarted) as needed; and a note if it had to be restarted."""
+    global _process
+    with _lock:
+        note = None
+        if _process is not None and import_time_env(_process.env) != import_time_env(env):
+            changed = sorted(set(import_time_env(_process.env).items()) ^ set(import_time_env(env).items()))
+            note = f"restarted the warm launcher: {', '.join(sorted({k for k, _ in changed}))} changed since it started"
+            _process.close()
+            _process = None
+        if _process is not None and not _process.alive():
+            _process = None
+        if _process is None:
+            _process = WarmProcess(env)
+        return _process, note
+
+
+def _read_message(conn: socket.socket) -> dict:
+    data = b""
+    while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise RuntimeError("the warm launcher process closed the connection")
+        data += chunk
+    (size,) = _HEADER.unpack_from(data)
+    return json.loads(data[_HEADER.size:_HEADER.size + size])
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    payload = json.dumps(message).encode()
+    try:
+        conn.sendall(_HEADER.pack(len(payload)) + payload)
+    except OSError:
+        pass  # the launcher stopped listening; the agent is reaped all the same
+
+
+# ---- the warm process ----------------------------------------------------------------------------------------
+
+
+def serve(address: str) -> None:
+    """Import torch once, then fork one agent per request until stdin reaches end of file."""
+    import torch  # noqa: F401 -- the point of this process
+
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    import torch.distributed.run  # noqa: F401
+    from torch.distributed.elastic.multiprocessing import api  # noqa: F401
+
+    import multiprocessing
+
+    from ddp_helpers import _agent, _worker  # noqa: F401
+
+    _worker.MAIN_PROCESS = multiprocessing.current_process()
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # nothing more to say on stdout; the forked agents get their own
+    agents: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([0, listener], [], [], 0.05)
+        if 0 in readable and not os.read(0, 512):
+            break  # the kernel is gone (or closed us): every launch's own lifeline ends its agents
+        if listener in readable:
+            conn, _ = listener.accept()
+            _handle(conn, listener, agents)
+        _reap(agents)
+
+
+def _handle(conn: socket.socket, listener: socket.socket, agents: dict[int, socket.socket]) -> None:
+    """Read one request and fork its agent."""
+    import torch
+
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        while len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
+            data += conn.recv(1 << 20)
+        request = json.loads(data[_HEADER.size:])
+    except (OSError, ValueError, struct.error) as e:
+        _send(conn, {"error": f"bad request: {e}"})
+        conn.close()
+        return
+    if torch.cuda.is_initialized():  # never true unless something touched CUDA here: forking would break it
+        _send(conn, {"error": "CUDA is initialised in the warm process"})
+    else:
+        pid = os.fork()
+        if pid == 0:
+            _become_agent(request, fds, [listener, conn, *agents.values()])
+        agents[pid] = conn
+        _send(conn, {"pid": pid})
+    for fd in fds:
+        os.close(fd)
+
+
+def _become_agent(request: dict, fds: list[int], sockets: list[socket.socket]) -> None:
+    """In the forked child: a fresh session, the launch's files and environment, then torch's agent."""
+    code = 1
+    try:
+        os.setsid()
+        for sock in sockets:
+            sock.close()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from ddp_helpers import _agent
+
+        code = _agent.main(request["argv"], warm=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def _reap(agents: dict[int, socket.socket]) -> None:
+    """Tell each launch its agent's exit code once the agent has ended."""
+    while agents:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = agents.pop(pid, None)
+        if conn is not None:
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
