@@ -159,6 +159,15 @@ def warm_process(env: dict[str, str]) -> tuple[WarmProcess, str | None]:
         return _process, note
 
 
+def shutdown() -> None:
+    """End this kernel's warm process, if any; the next warm launch starts a new one (used by benchmarks)."""
+    global _process
+    with _lock:
+        if _process is not None:
+            _process.close()
+            _process = None
+
+
 def _read_message(conn: socket.socket) -> dict:
     data = b""
     while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:

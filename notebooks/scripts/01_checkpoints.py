@@ -1,5 +1,6 @@
 """01_checkpoints.py: train a tiny BatchNorm model under DDP, save it (rank 0, atomically), load it on every rank."""
 import argparse
+import gc
 import json
 import os
 import time
@@ -118,7 +119,11 @@ def main() -> None:
     solo_ddp = DDP(solo, device_ids=[local_rank] if device.type == "cuda" else None)
     print(json.dumps({"rank": rank, "case": "rank0_load_then_wrap", "before": before,
                       "after": gather(checksum(solo_ddp.module), device), "trained": trained}))
-    del ddp, solo_ddp  # free the reducers before the group they use goes away
+    # Free the DDP wrappers while their process group exists. A wrapper is in a reference cycle, so `del` alone
+    # leaves it to the garbage collector; collected after destroy_process_group, it made gloo abort the process
+    # ("terminate called without an active exception") in 2 of 20 runs of a 3-DDP script here, 0 of 20 with this.
+    del ddp, solo_ddp
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
 """03_sync_batchnorm.py: per-rank vs global batch statistics, and what SyncBatchNorm computes, checked."""
 import argparse
+import gc
 import json
 import os
 
@@ -202,6 +203,7 @@ def main() -> None:
         record = cases[name](rank, world_size, device, args)
         print(json.dumps({"rank": rank, "case": name, "world_size": world_size, "device": str(device),
                           "backend": dist.get_backend(), **record}), flush=True)
+    gc.collect()  # free the cases' DDP wrappers while their group exists (freed after it, gloo can abort: see 01)
     dist.destroy_process_group()
 
 

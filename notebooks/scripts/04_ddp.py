@@ -375,7 +375,7 @@ def main() -> None:
         print(json.dumps({"rank": rank, "case": name, "world_size": world_size, "device": str(device),
                           "backend": dist.get_backend(), **record}), flush=True)
     # The cases left DDP wrappers behind (reference cycles: only the garbage collector frees them). Free them
-    # while their process group exists; freed after it, a gloo thread aborted the process in 2 of 15 runs here.
+    # while their process group exists; freed after it, gloo aborted the process in 2 of 15 runs here (01).
     gc.collect()
     dist.destroy_process_group()
 

@@ -1,0 +1,93 @@
+"""Fidelity of warm launches: every script of the series, launched warm and cold, must report the same.
+
+Runs each script of ``notebooks/scripts`` the way its notebook does, once with ``warm=False`` (a fresh
+torchrun process) and once warm, and compares what the ranks printed: the JSON records with timing fields
+left out, or, for the scripts that fail or hang on purpose, which rank was blamed, how it ended and why.
+Prints one line per script and exits non-zero if any differs. Usage: ``python benchmarks/warm_fidelity.py``
+(about 3 minutes on 2 cores; it writes to the git-ignored notebooks/runs/ and notebooks/data/).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ddp_helpers import TorchrunError, make_image_folder, torchrun
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+TIMING = ("time", "seconds", "duration", "samples_per_s", "ratio")  # measured, so different in every run
+PER_LAUNCH = ("MASTER_PORT", "master_port", "TORCHELASTIC_RUN_ID")  # a new port and id for every launch
+
+
+def _untimed(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if not any(t in k for t in TIMING) and k not in PER_LAUNCH}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
+def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs) -> object:
+    """What a launch reported, timings aside: its records, or how it failed."""
+    for name in fresh:  # outputs of the other launch, removed so that both start alike
+        path = NOTEBOOKS / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    try:
+        result = torchrun(f"scripts/{script}", *args, live=False, warm=warm, **{"timeout": 300, **kwargs})
+    except TorchrunError as err:
+        # Which exceptions the ranks raised; not which rank came first when several raise at once, nor the exit
+        # code of a rank stopped while shutting down (now and then -6 or -15 instead of 1: see notebook 00).
+        raised = sorted(set(re.findall(r"rank \d+ raised (\w+)", str(err))))
+        return {"failed": True, "raised": raised, "timed_out": err.timed_out, "stuck": err.stuck_ranks,
+                "records": _untimed(err.result.records())}
+    return {"failed": False, "records": _untimed(result.records()), "exitcodes": result.exitcodes}
+
+
+CASES = [  # (script, args, launch keywords, folders to clear before each launch)
+    ("00_hello.py", ["--steps", "3"], {"nproc_per_node": 2}, []),
+    ("00_crash.py", [], {"nproc_per_node": 2}, []),
+    ("00_hang.py", [], {"nproc_per_node": 2, "stall_timeout": 3}, []),
+    ("01_checkpoints.py", ["--out", "runs/fidelity01", "--steps", "5"], {"nproc_per_node": 2, "backend": "gloo"},
+     ["runs/fidelity01"]),
+    ("02_sampler.py", ["--cases", "grid,image_folder,evaluate,global_batch", "--data", "data/shapes", "--batch-size",
+                       "3"], {"nproc_per_node": 3, "backend": "gloo"}, []),
+    ("03_sync_batchnorm.py", [], {"nproc_per_node": 2}, []),
+    ("04_ddp.py", [], {"nproc_per_node": 2}, []),
+    ("04_seed_snippet.py", [], {"nproc_per_node": 2}, []),
+    ("05_seed_snippet.py", ["--world_size", "2"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("05_launch.py", [], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("05_elastic.py", ["--snapshot", "runs/fidelity05.pt", "--crash-at-epoch", "2"],
+     {"nproc_per_node": 2, "backend": "gloo", "torchrun_args": ["--max-restarts=1"]}, ["runs/fidelity05.pt"]),
+    ("06_train.py", ["--data", "data/capstone", "--num-epochs", "2", "--out", "runs/fidelity06", "--num-workers", "2"],
+     {"nproc_per_node": 2}, ["runs/fidelity06"]),
+    ("07_gallery.py", ["--checkpoint", "runs/fidelity07.pt"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("07_gallery.py", ["--case", "early-exit", "--buggy"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("07_tools.py", ["--case", "monitored-barrier"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+]
+
+
+def main() -> int:
+    os.chdir(NOTEBOOKS)
+    make_image_folder("data/shapes", num_classes=4, images_per_class=5, size=16, seed=0)
+    make_image_folder("data/capstone", num_classes=4, images_per_class=64, size=16, seed=0, val_fraction=0.25)
+    differ = 0
+    for script, args, kwargs, fresh in CASES:
+        start = time.perf_counter()
+        runs = {}
+        for warm in (False, True):
+            runs[warm] = outcome(script, *args, warm=warm, fresh=fresh, **kwargs)
+        same = runs[False] == runs[True]
+        differ += not same
+        what = "failed alike" if runs[False].get("failed") else f"{len(runs[False]['records'])} records alike"
+        print(f"{'same' if same else 'DIFFERENT'}  {script} {' '.join(args)}: "
+              f"{what if same else runs}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"{len(CASES) - differ} of {len(CASES)} launches reported the same warm and cold")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
