@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, committed_text
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
 
 
 def bare_asserts(nb: nbformat.NotebookNode) -> list[str]:

@@ -288,3 +288,39 @@ def test_the_open_commands_printed_address_opens_notebook_00():
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+SOLUTIONS = sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
+
+
+def _exercise_count(nb_path: Path) -> int:
+    """How many numbered exercises a notebook's Exercises section lists ("1. **Title.**" ...)."""
+    text = "\n".join(c.source for c in nbformat.reads(committed_text(nb_path), as_version=4).cells
+                     if c.cell_type == "markdown")
+    section = text[text.index("## Exercises"):]
+    return len(re.findall(r"^\d+\. \*\*", section, re.M))
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_exercise_has_a_solution_that_ci_runs(nb_path):
+    solution = REPO / "notebooks" / "solutions" / f"{nb_path.stem}_solutions.ipynb"
+    assert solution in SOLUTIONS, f"{nb_path.name} has exercises but no {solution.relative_to(REPO)}"
+    count = _exercise_count(nb_path)
+    cells = nbformat.reads(committed_text(solution), as_version=4).cells
+    headings = [m for c in cells if c.cell_type == "markdown" for m in re.findall(r"^## Exercise (\d+)", c.source, re.M)]
+    assert headings == [str(k) for k in range(1, count + 1)], (nb_path.name, count, headings)
+    exercises = next(c.source for c in nbformat.reads(committed_text(nb_path), as_version=4).cells
+                     if c.cell_type == "markdown" and "## Exercises" in c.source)
+    assert f"solutions/{solution.name}" in exercises, f"{nb_path.name}'s Exercises section should point to its solutions"
+
+
+@pytest.mark.parametrize("nb_path", SOLUTIONS, ids=lambda p: p.name)
+def test_solution_notebooks_are_committed_clean_and_parse(nb_path):
+    nb = nbformat.reads(committed_text(nb_path), as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "strip outputs before committing"
+            compile(_python_of_cell(cell.source), nb_path.name, "exec")
+            assert "%%writefile scripts/" not in cell.source or "%%writefile scripts/solutions/" in cell.source, (
+                "solutions write their own scripts (scripts/solutions/), never the series' scripts")
