@@ -118,6 +118,12 @@ def case_stats(rank, world_size, device, args) -> dict:
             "global_mean": global_mean.tolist(), "global_var": global_var.tolist()}
 
 
+def _finite(t: torch.Tensor) -> float:
+    """A difference as a float, with NaN as infinity: max() would silently skip a NaN."""
+    value = t.item()
+    return float("inf") if value != value else value
+
+
 def case_reference(rank, world_size, device, args) -> dict:
     """Sync BN on world_size ranks x batch B against plain BatchNorm on the concatenated batch."""
     torch.manual_seed(0)  # same affine parameters on every rank and in the single-process model
@@ -147,9 +153,9 @@ def case_reference(rank, world_size, device, args) -> dict:
                  "input_grad": (x.grad - my_slice(x_full.grad, rank, world_size)).abs().max(),
                  "weight_grad": (summed[:c] - full_bn.weight.grad).abs().max(),
                  "bias_grad": (summed[c:] - full_bn.bias.grad).abs().max()}
-        worst = {k: max(worst[k], v.item()) for k, v in diffs.items()}
-    worst["running_mean"] = (sync_bn.running_mean - full_bn.running_mean).abs().max().item()
-    worst["running_var"] = (sync_bn.running_var - full_bn.running_var).abs().max().item()
+        worst = {k: max(worst[k], _finite(v)) for k, v in diffs.items()}
+    worst["running_mean"] = _finite((sync_bn.running_mean - full_bn.running_mean).abs().max())
+    worst["running_var"] = _finite((sync_bn.running_var - full_bn.running_var).abs().max())
     return {"impl": args.impl, "batch": args.batch, "steps": args.steps, "max_abs_diff": worst,
             "num_batches_tracked": int(sync_bn.num_batches_tracked)}
 

@@ -18,11 +18,11 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 
-def join_process_group(backend: str) -> None:
-    """dist.init_process_group(backend) from torchrun's environment, made safe for --max-restarts (see 05)."""
+def join_process_group(backend: str, **options) -> None:
+    """dist.init_process_group(backend, **options) from torchrun's environment, safe for --max-restarts (see 05)."""
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store, kept across restarts
     if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
-        dist.init_process_group(backend)  # env://; no earlier attempt can have left anything behind
+        dist.init_process_group(backend, **options)  # env://; no earlier attempt can have left anything behind
         return
     # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
     # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
@@ -32,7 +32,7 @@ def join_process_group(backend: str) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
     dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+                            world_size=int(os.environ["WORLD_SIZE"]), **options)
 
 
 def setup() -> tuple[bool, int, int, int, torch.device]:
