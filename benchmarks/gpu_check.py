@@ -131,4 +131,24 @@ def _():
     return {"val_acc": done["val_acc"], "samples_per_s": figures}
 
 
+@check("08 template on one GPU: float16 with GradScaler (scale saved), bfloat16, NCCL device_id")
+def _():
+    from ddp_helpers import make_image_folder
+    import torch
+    data = make_image_folder(NOTEBOOKS / "data" / "capstone", num_classes=4, images_per_class=64, size=16,
+                             seed=0, val_fraction=0.25)
+    seen = {}
+    for amp in ("fp16", "bf16"):
+        recs = run("08_train.py", "--data", str(data), "--out", f"runs/gpu08_{amp}", "--amp", amp).records(rank=0)
+        epoch = next(r for r in recs if r["event"] == "epoch")
+        done = next(r for r in recs if r["event"] == "done")
+        assert next(r for r in recs if r["event"] == "start")["backend"] == "nccl", recs[0]
+        assert epoch["dtypes"]["activations"] == {"fp16": "torch.float16", "bf16": "torch.bfloat16"}[amp], epoch
+        assert done["history"][-1]["val_acc"] >= 0.9, done
+        seen[amp] = {"dtypes": epoch["dtypes"], "val_acc": done["history"][-1]["val_acc"]}
+    scaler = torch.load(NOTEBOOKS / "runs" / "gpu08_fp16" / "last.pt", map_location="cpu", weights_only=True)["scaler"]
+    assert scaler["scale"] > 0, scaler
+    return {**seen, "fp16_scale_in_checkpoint": scaler["scale"]}
+
+
 sys.exit(failures)

@@ -136,11 +136,15 @@ def test_exit_code_without_exception(script):
 
 
 def test_hang_is_killed_and_the_culprit_named(script):
-    with pytest.raises(TorchrunError) as info:
-        torchrun(script(HANG), nproc_per_node=2, live=False, timeout=12)
+    path = script(HANG)
+    for limit in (12, 48, 192):  # a wall-clock limit can pass before a busy machine got the ranks going: longer then
+        with pytest.raises(TorchrunError) as info:
+            torchrun(path, nproc_per_node=2, live=False, timeout=limit)
+        if len(info.value.result.records()) == 2:  # both ranks reached their places (rank 1 sleeping) in time
+            break
     err = info.value
     assert err.timed_out and err.stuck_ranks == [1], str(err)
-    assert str(err).startswith("timed out after 12 s; stuck: rank 1"), str(err)
+    assert str(err).startswith(f"timed out after {limit} s; stuck: rank 1"), str(err)
     message = str(err)
     assert "rank 1 is busy at job.py:8" in message  # the sleeping line
     assert "rank 0 waits in torch.distributed `all_reduce` called at job.py:9" in message
@@ -156,7 +160,7 @@ def test_a_rank_that_leaves_early_is_pointed_out(script):
             dist.barrier()
     """)
     with pytest.raises(TorchrunError) as info:
-        torchrun(path, nproc_per_node=2, live=False, timeout=60)
+        torchrun(path, nproc_per_node=2, live=False, timeout=300)
     err = info.value
     # With gloo, a peer that exits closes its connections, so the waiting rank fails instead of hanging.
     assert not err.timed_out and err.rank == 0
@@ -227,13 +231,13 @@ def test_interrupt_kills_every_process(script, tmp_path):
     proc = _parent(tmp_path, script(HANG))
     _wait_until_ready(proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=600)  # a safety net: the parent ends within seconds, even on a busy machine
     assert "KeyboardInterrupt" in err
     # One plain line before the traceback says so, and it is true.
     assert ("ddp_helpers: interrupted; all 2 rank(s) and their torchrun agent(s) were stopped, "
             "nothing is left running") in err, err
     assert err.index("ddp_helpers: interrupted") < err.index("KeyboardInterrupt"), err
-    assert wait_for_no_leftovers(proc.pid, within=5) == []
+    assert wait_for_no_leftovers(proc.pid, within=60) == []
 
 
 def test_sigkilled_parent_leaves_no_orphans(script, tmp_path):
@@ -241,7 +245,7 @@ def test_sigkilled_parent_leaves_no_orphans(script, tmp_path):
     _wait_until_ready(proc)
     proc.kill()
     proc.wait()
-    assert wait_for_no_leftovers(proc.pid, within=15) == []
+    assert wait_for_no_leftovers(proc.pid, within=60) == []
 
 
 def test_eight_concurrent_launches(script):
@@ -355,7 +359,7 @@ def test_backend_is_passed_to_the_script(script):
         import json, os
         print(json.dumps({"backend": os.environ.get("DDP_BACKEND")}))
     """)
-    assert torchrun(path, backend="gloo", live=False, timeout=60).records() == [{"backend": "gloo"}]
+    assert torchrun(path, backend="gloo", live=False, timeout=300).records() == [{"backend": "gloo"}]
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -383,7 +387,7 @@ def test_cli_failure_exit_code_and_message(script, tmp_path):
 def test_importing_the_package_does_not_import_torch():
     code = ("import sys, ddp_helpers, ddp_helpers.launcher, ddp_helpers.__main__; "
             "ddp_helpers.torchrun; assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
 
 
 def test_describe_environment(capsys):

@@ -176,6 +176,7 @@ SETUP_VARIANTS = {
     "06_train.py": "also runs under plain python (nanoGPT's RANK test); join_process_group",
     "07_gallery.py": "returns (rank, device) only",
     "07_tools.py": "passes --pg-timeout to init_process_group",
+    "08_train.py": "06's, with device_id= for NCCL (the template for real projects)",
 }
 
 
@@ -203,7 +204,7 @@ def test_setup_copies_agree_or_differ_only_as_listed():
                 f"{name}: setup() differs from 00_hello.py's; make them equal or list why in SETUP_VARIANTS")
     joins = {p.name: ast.dump(_functions(p)["join_process_group"]) for p in SCRIPTS
              if "join_process_group" in _functions(p)}
-    assert {"05_elastic.py", "06_train.py"} <= set(joins) and len(set(joins.values())) == 1, (
+    assert {"05_elastic.py", "06_train.py", "08_train.py"} <= set(joins) and len(set(joins.values())) == 1, (
         f"the copies of join_process_group differ: {sorted(joins)}")
 
 
