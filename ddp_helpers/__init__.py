@@ -16,13 +16,14 @@ _EXPORTS = {
     "TorchrunResult": "ddp_helpers.launcher",
     "describe_environment": "ddp_helpers.environment",
     "choose_backend": "ddp_helpers.environment",
+    "series_folder": "ddp_helpers.environment",
     "make_image_folder": "ddp_helpers.datasets",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from ddp_helpers.datasets import make_image_folder
-    from ddp_helpers.environment import choose_backend, describe_environment
+    from ddp_helpers.environment import choose_backend, describe_environment, series_folder
     from ddp_helpers.launcher import TorchrunError, TorchrunResult, torchrun
 
 

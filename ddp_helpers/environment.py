@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 
 def choose_backend() -> tuple[str, str]:
@@ -40,3 +41,13 @@ def describe_environment(verbose: bool = True) -> dict:
         print(f"torch.distributed: gloo={info['gloo_available']}, nccl={info['nccl_available']}")
         print(f"The scripts will use backend={backend!r} on device={device!r}.")
     return info
+
+
+def series_folder(start: str | os.PathLike | None = None) -> Path:
+    """The series' ``notebooks/`` folder: ``start`` (default: the current one) or the nearest above it holding the
+    series' scripts. Notebooks in ``solutions/`` or ``zh-CN/`` change to it first, so paths mean the same everywhere."""
+    here = Path(start or os.getcwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "scripts" / "00_hello.py").is_file() and (folder / "00_start_here.ipynb").is_file():
+            return folder
+    raise FileNotFoundError(f"no ddp-notebooks notebooks/ folder at or above {here}: open the notebook from the series")
