@@ -56,7 +56,7 @@ def test_glossary_and_chinese_readme():
     en_readme = (REPO / "README.md").read_text()
     assert "README.zh-CN.md" in en_readme.split("\n## ")[0], "README.md should link the Chinese one at its top"
     assert "README.md" in zh_readme.split("\n## ")[0], "README.zh-CN.md should link the English one at its top"
-    for marker in ("open-command", "test-command"):
+    for marker in ("open-command", "test-command", "site-command"):
         block = re.search(rf"<!-- {marker} -->.*?<!-- /{marker} -->", en_readme, re.S)[0]
         assert block in zh_readme, f"README.zh-CN.md must give the same {marker} as README.md"
     for nb in sorted(ZH.glob("*.ipynb")):

@@ -1,0 +1,49 @@
+"""Tests in a real browser (Chromium driven by Playwright). They run after the notebooks (see pyproject's
+testpaths), so the site is built from the notebooks the test run just executed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("DDP_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+# The unit tests' helpers (leftover processes, the staged copy of a file), loaded under a name of their own.
+_spec = importlib.util.spec_from_file_location("ddp_unit_test_helpers", REPO / "tests" / "conftest.py")
+unit = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(unit)
+
+
+@pytest.fixture(scope="module")
+def free_port() -> int:
+    """A port nobody uses right now (never a fixed one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def unit_helpers():
+    """tests/conftest.py's helpers: leftover_processes, wait_for_no_leftovers, committed_text."""
+    return unit
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """A headless Chromium: Debian's, since Playwright cannot download its own here (.ci/run installs it)."""
+    if CHROMIUM is None:
+        pytest.skip("no chromium on this machine: `apt-get install chromium` (CI installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()

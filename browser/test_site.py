@@ -1,0 +1,93 @@
+"""The readable edition in a real browser: built from the executed notebooks, every page loads, every image
+shows, no page logs an error, every internal link resolves, and the landing pages list every notebook."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("0*.ipynb"))
+
+
+def _fetch(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.fixture(scope="module")
+def site(free_port):
+    """Build the site as the README's site command does (from the notebooks this run executed), then serve it."""
+    built = subprocess.run([sys.executable, "tools/build_site.py"], cwd=REPO, capture_output=True, text=True,
+                           timeout=3600)  # a safety net: it executes only notebooks the run did not
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(free_port), "--bind", "127.0.0.1",
+                               "--directory", str(REPO / "site")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{free_port}/"
+    try:
+        while _fetch_or_none(base) != 200:  # until the server answers
+            assert server.poll() is None, "the static file server exited"
+            time.sleep(0.1)
+        yield base
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+
+
+def _fetch_or_none(url: str) -> int | None:
+    try:
+        return _fetch(url)
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def test_every_page_loads_shows_its_images_and_links_only_to_what_exists(chromium, site):
+    page = chromium.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(f"console error on {page.url}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"script error on {page.url}: {e}"))
+    todo, seen, files = deque([site + "index.html"]), set(), set()
+    while todo:
+        url = todo.popleft()
+        if url in seen:
+            continue
+        seen.add(url)
+        response = page.goto(url, wait_until="load")
+        if response is None or not response.ok:
+            problems.append(f"{url}: HTTP {response.status if response else 'no response'}")
+            continue
+        broken = page.eval_on_selector_all("img", "imgs => imgs.filter(i => !(i.complete && i.naturalWidth > 0))"
+                                                  ".map(i => i.src.slice(0, 80))")
+        problems += [f"image that did not load on {url}: {src}" for src in broken]
+        for href in page.eval_on_selector_all("a[href]", "links => links.map(a => a.href)"):
+            target = href.split("#")[0]
+            if target.startswith(site):
+                (todo.append(target) if target.endswith(".html") else files.add(target))
+    problems += [f"broken link: {f}" for f in sorted(files) if _fetch(f) != 200]
+    assert not problems, "\n".join(problems[:40])
+    pages = {url.removeprefix(site) for url in seen}
+    for nb in NOTEBOOKS:
+        for language in ("", "zh-CN/"):
+            assert f"notebooks/{language}{nb.stem}.html" in pages, f"no page for {language}{nb.name}"
+    print(f"{len(seen)} pages and {len(files)} other files checked")
+
+
+def test_the_landing_pages_list_every_notebook(chromium, site):
+    page = chromium.new_page()
+    for landing, folder in (("index.html", "notebooks/"), ("README.zh-CN.html", "notebooks/zh-CN/")):
+        page.goto(site + landing)
+        links = set(page.eval_on_selector_all("a[href]", "links => links.map(a => a.getAttribute('href'))"))
+        missing = [nb.stem for nb in NOTEBOOKS if f"{folder}{nb.stem}.html" not in links]
+        assert not missing, (landing, missing)

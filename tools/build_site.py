@@ -1,0 +1,161 @@
+"""Build the readable edition: the executed notebooks (English and Chinese) as a static site in site/.
+
+MkDocs with the mkdocs-jupyter plugin renders the notebooks (through nbconvert) in the Material theme;
+this script only gathers the pages, keeping the repository's layout so that every relative link in
+the notebooks and READMEs works as it is. Each English notebook is executed once: the test suite saves
+the copies it executes in build/executed/ (see conftest.py at the repository's root), reused here when
+their code still matches; anything missing is executed now. A Chinese notebook has the same code
+cells as its English twin (a test checks), so it shows the English execution's outputs.
+Usage: ``python tools/build_site.py`` (then open site/index.html, or serve it: see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+EXECUTED = ROOT / "build" / "executed"  # written by the test run (conftest.py) and by this script
+SOURCE = ROOT / "build" / "site-src"
+PAGES = ["README.md", "README.zh-CN.md", "SEED_POST.md", "WORKSHOP.md", "CONTRIBUTING.md"]
+
+
+def english_notebooks() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("0*.ipynb")) + sorted((NOTEBOOKS / "solutions").glob("0*.ipynb"))
+
+
+def code(nb: nbformat.NotebookNode) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def executed(path: Path) -> nbformat.NotebookNode:
+    """The notebook with its outputs: the test run's copy if its code is current, else executed here."""
+    source = nbformat.read(path, as_version=4)
+    saved = EXECUTED / path.relative_to(NOTEBOOKS)
+    if saved.is_file():
+        nb = nbformat.read(saved, as_version=4)
+        if code(nb) == code(source):
+            return nb
+    from nbclient import NotebookClient
+
+    start = time.monotonic()
+    NotebookClient(source, timeout=1800, kernel_name="python3").execute(cwd=str(path.parent))
+    print(f"executed {path.relative_to(ROOT)} in {time.monotonic() - start:.0f} s", flush=True)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(source, saved)
+    return source
+
+
+def with_outputs(translation: Path, english: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A translation with its English twin's outputs, code cell by code cell (their code is the same)."""
+    nb = nbformat.read(translation, as_version=4)
+    runs = [c for c in english.cells if c.cell_type == "code"]
+    mine = [c for c in nb.cells if c.cell_type == "code"]
+    if [c.source for c in mine] != [c.source for c in runs]:
+        raise SystemExit(f"{translation.relative_to(ROOT)}: its code differs from the English notebook's")
+    for cell, run in zip(mine, runs):
+        cell.outputs, cell.execution_count = run.outputs, run.execution_count
+    return nb
+
+
+def gather() -> list[str]:
+    """Write the site's sources into build/site-src/ and return the navigation (paths relative to it)."""
+    shutil.rmtree(SOURCE, ignore_errors=True)
+    for page in PAGES:
+        if not (ROOT / page).is_file():
+            raise SystemExit(f"{page} is missing")
+        text = (ROOT / page).read_text(encoding="utf-8").replace("(notebooks/zh-CN/)", "(README.zh-CN.md)")
+        target = SOURCE / ("index.md" if page == "README.md" else page)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+    nav = []
+    for path in english_notebooks():
+        rel = path.relative_to(ROOT)
+        nb = executed(path)
+        zh = NOTEBOOKS / "zh-CN" / path.relative_to(NOTEBOOKS)
+        if zh.is_file():  # the language switch, on top of the English page (the Chinese pages link back)
+            translated = with_outputs(zh, nb)
+            link = f"{'../' * (len(rel.parts) - 2)}zh-CN/{path.relative_to(NOTEBOOKS).as_posix()}"
+            nb.cells.insert(0, nbformat.v4.new_markdown_cell(f"中文版：[{path.stem}]({link})"))
+            (SOURCE / zh.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(translated, SOURCE / zh.relative_to(ROOT))
+        (SOURCE / rel).parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, SOURCE / rel)
+        nav.append(rel.as_posix())
+    shutil.copytree(NOTEBOOKS / "images", SOURCE / "notebooks" / "images",
+                    ignore=shutil.ignore_patterns("*.mmd"))  # the diagrams, pre-rendered (tools/render_diagrams.py)
+    glossary = NOTEBOOKS / "zh-CN" / "术语表.md"
+    if glossary.is_file():
+        shutil.copy(glossary, SOURCE / glossary.relative_to(ROOT))
+    for script in sorted((NOTEBOOKS / "scripts").glob("*.py")):
+        page = SOURCE / "notebooks" / "scripts" / f"{script.stem}.md"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(f"# scripts/{script.name}\n\nWritten by a `%%writefile` cell of notebook "
+                        f"{script.name[:2]}; run it yourself with `torchrun --standalone --nproc-per-node=2 "
+                        f"scripts/{script.name}` from `notebooks/`.\n\n```python\n{script.read_text()}```\n",
+                        encoding="utf-8")
+    return nav
+
+
+def mkdocs_config(nav: list[str], out: Path) -> Path:
+    """mkdocs.yml for the gathered sources: English, then the Chinese edition, then the rest."""
+    def entries(paths: list[str], indent: str) -> str:
+        return "".join(f"{indent}- {p}\n" for p in paths)
+
+    main = [p for p in nav if "/solutions/" not in p]
+    solutions = [p for p in nav if "/solutions/" in p]
+    zh = [p.replace("notebooks/", "notebooks/zh-CN/", 1) for p in nav
+          if (SOURCE / p.replace("notebooks/", "notebooks/zh-CN/", 1)).is_file()]
+    scripts = sorted(f"notebooks/scripts/{p.name}" for p in (SOURCE / "notebooks" / "scripts").glob("*.md"))
+    config = ROOT / "build" / "mkdocs.yml"
+    config.write_text(f"""site_name: ddp-notebooks
+site_description: PyTorch DistributedDataParallel, one concept per notebook, every claim proven by a cell that runs
+docs_dir: {SOURCE}
+site_dir: {out}
+use_directory_urls: false  # plain .html files: the site also opens from disk
+theme:
+  name: material
+  font: false  # the reader's own fonts: the site loads nothing from the network
+  features: [navigation.footer]  # previous / next at the bottom of every page
+plugins:
+  - mkdocs-jupyter:
+      execute: false  # executed once, above
+      include_source: true
+markdown_extensions: [tables, fenced_code, admonition]
+nav:
+  - Home: index.md
+  - Notebooks:
+{entries(main, "      ")}  - Solutions:
+{entries(solutions, "      ")}  - 中文:
+      - README.zh-CN.md
+{entries([p for p in zh if '/solutions/' not in p], "      ")}      - 参考答案:
+{entries([p for p in zh if '/solutions/' in p], "          ")}  - Scripts:
+{entries(scripts, "      ")}  - SEED_POST.md
+  - WORKSHOP.md
+  - CONTRIBUTING.md
+""", encoding="utf-8")
+    return config
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "site"))
+    args = parser.parse_args()
+    config = mkdocs_config(gather(), Path(args.out).resolve())
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--config-file", str(config)],
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    if done.returncode == 0:
+        print(f"site written to {args.out}: open {Path(args.out) / 'index.html'}")
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
