@@ -38,7 +38,10 @@ def unit_helpers():
 def chromium():
     """A headless Chromium: Debian's, since Playwright cannot download its own here (.ci/run installs it)."""
     if CHROMIUM is None:
-        pytest.skip("no chromium on this machine: `apt-get install chromium` (CI installs it)")
+        message = "no chromium on this machine: `apt-get install chromium` (.ci/run installs it)"
+        if os.environ.get("DDP_REQUIRE_BROWSER"):  # CI sets it: there, a missing browser is a failure, not a skip
+            pytest.fail(message)
+        pytest.skip(message)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

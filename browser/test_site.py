@@ -91,3 +91,16 @@ def test_the_landing_pages_list_every_notebook(chromium, site):
         links = set(page.eval_on_selector_all("a[href]", "links => links.map(a => a.getAttribute('href'))"))
         missing = [nb.stem for nb in NOTEBOOKS if f"{folder}{nb.stem}.html" not in links]
         assert not missing, (landing, missing)
+
+
+def test_a_notebook_page_shows_the_ranks_output_and_switches_language(chromium, site):
+    page = chromium.new_page()
+    for url, other in (("notebooks/00_start_here.html", "zh-CN/00_start_here.html"),
+                       ("notebooks/zh-CN/00_start_here.html", "../00_start_here.html")):
+        page.goto(site + url)
+        text = page.inner_text("body")
+        assert "[rank 0]" in text and "[rank 1]" in text, f"{url} lacks the ranks' output"
+        assert "rank 1 raised ValueError" in text, f"{url} lacks the crash the notebook provokes"
+        hrefs = page.eval_on_selector_all("a[href]", "links => links.map(a => a.getAttribute('href'))")
+        assert other in hrefs, f"{url} has no link to the other language"
+        assert page.locator("a.md-footer__link--next").count() == 1, f"{url} has no link to the next page"

@@ -115,6 +115,10 @@ def test_readme_commands_and_ci_agree():
     assert "pytest" in test_cmd and "constraints.txt" in test_cmd
     ci = (REPO / ".ci" / "run").read_text()
     assert "test-command" in ci, ".ci/run must run the README's test command verbatim"
+    site_cmd = _readme_block("site-command")
+    assert "\n" not in site_cmd and site_cmd.startswith(test_cmd.split(" && .venv/bin/python")[0])
+    assert site_cmd.endswith(".venv/bin/python tools/build_site.py"), site_cmd
+    assert "site/" in (REPO / ".gitignore").read_text().splitlines()
 
 
 def test_readme_lists_every_notebook():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,33 +38,56 @@ def code(nb: nbformat.NotebookNode) -> list[str]:
 
 
 def executed(path: Path) -> nbformat.NotebookNode:
-    """The notebook with its outputs: the test run's copy if its code is current, else executed here."""
+    """The notebook as committed, with the outputs of its code cells: from the test run's copy if its code is
+    current, else from executing it here."""
     source = nbformat.read(path, as_version=4)
     saved = EXECUTED / path.relative_to(NOTEBOOKS)
-    if saved.is_file():
-        nb = nbformat.read(saved, as_version=4)
-        if code(nb) == code(source):
-            return nb
-    from nbclient import NotebookClient
+    run = nbformat.read(saved, as_version=4) if saved.is_file() else None
+    if run is None or code(run) != code(source):
+        from nbclient import NotebookClient
 
-    start = time.monotonic()
-    NotebookClient(source, timeout=1800, kernel_name="python3").execute(cwd=str(path.parent))
-    print(f"executed {path.relative_to(ROOT)} in {time.monotonic() - start:.0f} s", flush=True)
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(source, saved)
-    return source
+        start = time.monotonic()
+        run = nbformat.read(path, as_version=4)
+        NotebookClient(run, timeout=1800, kernel_name="python3").execute(cwd=str(path.parent))
+        print(f"executed {path.relative_to(ROOT)} in {time.monotonic() - start:.0f} s", flush=True)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(run, saved)
+    return with_outputs(source, run)
 
 
-def with_outputs(translation: Path, english: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """A translation with its English twin's outputs, code cell by code cell (their code is the same)."""
-    nb = nbformat.read(translation, as_version=4)
-    runs = [c for c in english.cells if c.cell_type == "code"]
+def with_outputs(nb: nbformat.NotebookNode, run: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """``nb`` with the outputs of ``run``, code cell by code cell: the same notebook executed, or the English
+    twin of a translation (a test keeps their code the same)."""
     mine = [c for c in nb.cells if c.cell_type == "code"]
-    if [c.source for c in mine] != [c.source for c in runs]:
-        raise SystemExit(f"{translation.relative_to(ROOT)}: its code differs from the English notebook's")
-    for cell, run in zip(mine, runs):
-        cell.outputs, cell.execution_count = run.outputs, run.execution_count
+    ran = [c for c in run.cells if c.cell_type == "code"]
+    if [c.source for c in mine] != [c.source for c in ran]:
+        raise SystemExit("a notebook's code differs from the execution it should show")
+    for cell, done in zip(mine, ran):
+        cell.outputs, cell.execution_count = done.outputs, done.execution_count
     return nb
+
+
+LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def site_links(text: str, notebook: bool) -> str:
+    """Relative links as the site needs them: README.md is the home page; in a notebook, .md and .ipynb
+    targets become the .html pages (mkdocs rewrites those of Markdown pages itself)."""
+    def fix(m: re.Match) -> str:
+        target, anchor = m[1], m[2] or ""
+        target = re.sub(r"(^|/)README\.md$", r"\1index.md", target)
+        if notebook:
+            target = re.sub(r"\.(md|ipynb)$", ".html", target)
+        return f"]({target}{anchor})"
+    return LINK.sub(fix, text)
+
+
+def write_notebook(nb: nbformat.NotebookNode, target: Path) -> None:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = site_links(cell.source, notebook=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, target)
 
 
 def gather() -> list[str]:
@@ -72,7 +96,8 @@ def gather() -> list[str]:
     for page in PAGES:
         if not (ROOT / page).is_file():
             raise SystemExit(f"{page} is missing")
-        text = (ROOT / page).read_text(encoding="utf-8").replace("(notebooks/zh-CN/)", "(README.zh-CN.md)")
+        text = site_links((ROOT / page).read_text(encoding="utf-8").replace("(notebooks/zh-CN/)", "(README.zh-CN.md)"),
+                          notebook=False)
         target = SOURCE / ("index.md" if page == "README.md" else page)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
@@ -82,13 +107,10 @@ def gather() -> list[str]:
         nb = executed(path)
         zh = NOTEBOOKS / "zh-CN" / path.relative_to(NOTEBOOKS)
         if zh.is_file():  # the language switch, on top of the English page (the Chinese pages link back)
-            translated = with_outputs(zh, nb)
+            write_notebook(with_outputs(nbformat.read(zh, as_version=4), nb), SOURCE / zh.relative_to(ROOT))
             link = f"{'../' * (len(rel.parts) - 2)}zh-CN/{path.relative_to(NOTEBOOKS).as_posix()}"
             nb.cells.insert(0, nbformat.v4.new_markdown_cell(f"中文版：[{path.stem}]({link})"))
-            (SOURCE / zh.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
-            nbformat.write(translated, SOURCE / zh.relative_to(ROOT))
-        (SOURCE / rel).parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, SOURCE / rel)
+        write_notebook(nb, SOURCE / rel)
         nav.append(rel.as_posix())
     shutil.copytree(NOTEBOOKS / "images", SOURCE / "notebooks" / "images",
                     ignore=shutil.ignore_patterns("*.mmd"))  # the diagrams, pre-rendered (tools/render_diagrams.py)
