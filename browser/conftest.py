@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("DDP_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 
 # The unit tests' helpers (leftover processes, the staged copy of a file), loaded under a name of their own.
-_spec = importlib.util.spec_from_file_location("ddp_unit_test_helpers", REPO / "tests" / "conftest.py")
+_spec = importlib.util.spec_from_file_location("ddp_test_support", REPO / "tests" / "ddp_test_support.py")
 unit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(unit)
 
@@ -30,7 +30,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def unit_helpers():
-    """tests/conftest.py's helpers: leftover_processes, wait_for_no_leftovers, committed_text."""
+    """tests/ddp_test_support.py's helpers: leftover_processes, wait_for_no_leftovers, committed_text."""
     return unit
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from ddp_test_support import REPO
 from ddp_helpers import doctor
 
 NAMES = ["python", "torch", "torchvision", "jupyterlab", "torch.distributed", "network settings", "shell variables",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, wait_for_no_leftovers
+from ddp_test_support import REPO, wait_for_no_leftovers
 from ddp_helpers import TorchrunError, torchrun
 
 pytestmark = pytest.mark.usefixtures("kernel_unchanged")

@@ -13,7 +13,7 @@ import ast
 import nbformat
 import pytest
 
-from conftest import REPO, committed_text
+from ddp_test_support import REPO, committed_text
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
 

@@ -16,7 +16,7 @@ import nbformat
 import pytest
 import yaml
 
-from conftest import REPO, committed_text
+from ddp_test_support import REPO, committed_text
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SCRIPTS = sorted((REPO / "notebooks" / "scripts").glob("*.py"))

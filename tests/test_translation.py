@@ -7,7 +7,7 @@ import re
 import nbformat
 import pytest
 
-from conftest import REPO, committed_text
+from ddp_test_support import REPO, committed_text
 
 EN = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
 ZH = REPO / "notebooks" / "zh-CN"
