@@ -212,7 +212,10 @@ def test_stall_counts_from_the_ranks_output_not_from_the_launch(script):
 
 def _parent(tmp_path: Path, target: Path) -> subprocess.Popen:
     """A separate Python process that launches a hanging job, standing in for a notebook kernel."""
-    code = f"from ddp_helpers import torchrun\ntorchrun({str(target)!r}, nproc_per_node=2, timeout=300)\n"
+    # Like a kernel, it handles SIGINT itself: a process started in the background from a shell (`cmd &`, as a
+    # benchmark may run the suite) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt.
+    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"from ddp_helpers import torchrun\ntorchrun({str(target)!r}, nproc_per_node=2, timeout=300)\n")
     return subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
