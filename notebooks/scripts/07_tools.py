@@ -2,6 +2,7 @@
 import argparse
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import time
@@ -55,6 +56,8 @@ def main() -> None:
     else:
         model = DDP(torch.nn.Linear(4, 2).to(device), device_ids=[device.index] if device.type == "cuda" else None)
         model(torch.randn(8, 4, device=device)).sum().backward()
+        del model
+        gc.collect()  # free the DDP wrapper while its group exists (collected later, gloo can abort: see 01)
     if args.watchdog:
         faulthandler.cancel_dump_traceback_later()
     print(json.dumps({"rank": rank, "event": "done"}), flush=True)
