@@ -3,7 +3,7 @@
 Runs each script of ``notebooks/scripts`` the way its notebook does, once with ``warm=False`` (a fresh
 torchrun process) and once warm, and compares what the ranks printed: the JSON records with timing fields
 left out, or, for the scripts that fail or hang on purpose, which rank was blamed, how it ended and why.
-Prints one line per script and exits non-zero if any differs. Usage: ``python benchmarks/warm_fidelity.py``
+Prints one line per script and exits non-zero if any differs. Usage: ``python benchmarks/warm_fidelity.py [NAME_PREFIX]``
 (about 3 minutes on 2 cores; it writes to the git-ignored notebooks/runs/ and notebooks/data/).
 """
 
@@ -67,15 +67,21 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
     ("07_gallery.py", ["--checkpoint", "runs/fidelity07.pt"], {"nproc_per_node": 2, "backend": "gloo"}, []),
     ("07_gallery.py", ["--case", "early-exit", "--buggy"], {"nproc_per_node": 2, "backend": "gloo"}, []),
     ("07_tools.py", ["--case", "monitored-barrier"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("08_train.py", ["--data", "data/capstone", "--num-epochs", "2", "--out", "runs/fidelity08", "--amp", "bf16",
+                     "--num-workers", "2", "--persistent-workers", "--resume", "--crash-after-epoch", "0"],
+     {"nproc_per_node": 2, "torchrun_args": ["--max-restarts=1"]}, ["runs/fidelity08"]),
+    ("08_memory.py", [], {"nproc_per_node": 2, "backend": "gloo"}, []),
 ]
 
 
 def main() -> int:
+    only = sys.argv[1] if len(sys.argv) > 1 else ""  # e.g. "08_": only the scripts whose name starts so
     os.chdir(NOTEBOOKS)
     make_image_folder("data/shapes", num_classes=4, images_per_class=5, size=16, seed=0)
     make_image_folder("data/capstone", num_classes=4, images_per_class=64, size=16, seed=0, val_fraction=0.25)
     differ = 0
-    for script, args, kwargs, fresh in CASES:
+    cases = [case for case in CASES if case[0].startswith(only)]
+    for script, args, kwargs, fresh in cases:
         start = time.perf_counter()
         runs = {}
         for warm in (False, True):
@@ -85,7 +91,7 @@ def main() -> int:
         what = "failed alike" if runs[False].get("failed") else f"{len(runs[False]['records'])} records alike"
         print(f"{'same' if same else 'DIFFERENT'}  {script} {' '.join(args)}: "
               f"{what if same else runs}  ({time.perf_counter() - start:.0f} s)", flush=True)
-    print(f"{len(CASES) - differ} of {len(CASES)} launches reported the same warm and cold")
+    print(f"{len(cases) - differ} of {len(cases)} launches reported the same warm and cold")
     return 1 if differ else 0
 
 
