@@ -210,6 +210,9 @@ def test_setup_copies_agree_or_differ_only_as_listed():
              if "join_process_group" in _functions(p)}
     assert {"05_elastic.py", "06_train.py", "08_train.py"} <= set(joins) and len(set(joins.values())) == 1, (
         f"the copies of join_process_group differ: {sorted(joins)}")
+    saves = {p.name: ast.dump(_functions(p)["save_atomically"]) for p in SCRIPTS if "save_atomically" in _functions(p)}
+    assert {"01_checkpoints.py", "06_train.py", "08_train.py"} <= set(saves) and len(set(saves.values())) == 1, (
+        f"the copies of save_atomically differ: {sorted(saves)}")
 
 
 def test_the_launch_protocol_is_spelled_only_in_its_module():

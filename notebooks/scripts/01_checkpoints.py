@@ -29,11 +29,14 @@ def build_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def save_atomically(obj: object, path: str) -> None:
-    """Write to a temp file in the same folder, then rename: readers see the old file or the new one, never half."""
+def save_atomically(obj: dict, path: str) -> None:
+    """Temp file in the same folder, flushed to disk, then renamed over `path`: never half a checkpoint (01)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # atomic on POSIX and Windows when both paths are on one filesystem
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # durable: the bytes are on disk before the new name can point at them
+    os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half of either
 
 
 def checksum(model: nn.Module, what: str = "all") -> float:

@@ -27,8 +27,11 @@ def join_process_group(backend: str, **options) -> None:
     # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
     # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
     if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:
-        raise RuntimeError("torchrun --max-restarts on several nodes: launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-                           " on every node, which gives each attempt a fresh store (see notebook 05)")
+        raise RuntimeError("torchrun --max-restarts on several nodes, with one store shared by every attempt. c10d "
+                           "rendezvous (--rdzv-backend=c10d): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node, "
+                           "which gives each attempt a fresh store. Static rendezvous (--master-addr/--master-port, "
+                           "torchrun's default on several nodes): it always shares its store and ignores that switch; "
+                           "launch with --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
     dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
@@ -84,10 +87,13 @@ def load_weights(model: nn.Module, path: str, device: torch.device) -> dict:
 
 
 def save_atomically(obj: dict, path: str) -> None:
-    """Temp file in the same folder, then rename: a crash mid-save never leaves a half-written checkpoint (01)."""
+    """Temp file in the same folder, flushed to disk, then renamed over `path`: never half a checkpoint (01)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # durable: the bytes are on disk before the new name can point at them
+    os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half of either
 
 
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, ddp: bool) -> dict:
