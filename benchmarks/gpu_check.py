@@ -1,35 +1,60 @@
-"""GPU check: run the series' scripts on a CUDA machine (NCCL, one rank per GPU) and report what was seen.
+"""GPU check: what only a CUDA machine can show, as one script that fits in a few minutes.
 
-Not part of CI (CI has no GPU). Usage, from the repository root on a GPU machine:
-    PYTHONPATH=$PWD python benchmarks/gpu_check.py
-Every check prints one JSON line {"check": ..., "ok": ..., ...}; the exit code is the number of failed checks.
+Not part of CI (CI has no GPU). It runs, in this order (the most important first, so that a run cut short still
+says the most):
+  1. notebook 08's template: float16 + GradScaler with --deterministic, an uninterrupted run against one that
+     crashes after epoch 1 and is restarted by torchrun --max-restarts=1 and resumes: bit-identical weights
+     (asserted); two uninterrupted runs with and without --deterministic (reported);
+  2. notebook 01's map_location cases on cuda (the checkpoint loads onto the rank's GPU);
+  3. every notebook's script on NCCL, one rank per GPU (00-07), SyncBatchNorm on CUDA, the capstone's figures;
+  4. every notebook top to bottom under nbmake (each in its own copy of the repository, several at once).
+Each check prints one JSON line {"check": ..., "ok": ..., ...}; the exit code is the number of failed checks.
+
+Usage, from the repository root on a machine with CUDA and the test extras installed:
+    PYTHONPATH=$PWD python benchmarks/gpu_check.py [--out DIR] [--skip-notebooks] [--solutions] [--jobs 5]
+On a machine with torch but without Jupyter (this project's lent GPU machine), carry the wheels that
+tools/gpu_wheels.sh downloads into .whl/ and install them first:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out "$OUT"
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ddp_helpers import describe_environment, torchrun
+from ddp_helpers import describe_environment, make_image_folder, torchrun
 
 import capstone_scaling  # beside this file (python puts the script's folder on sys.path)
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
 failures = 0
 
 
 def check(name: str):
+    """Run the decorated function now, print its JSON line, and count a failure instead of stopping."""
     def wrap(fn):
         global failures
+        started = time.monotonic()
         try:
             detail = fn() or {}
-            print(json.dumps({"check": name, "ok": True, **detail}), flush=True)
+            ok = detail.pop("ok", True)
         except Exception as e:  # report and go on: one run must say as much as it can
-            failures += 1
-            print(json.dumps({"check": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000]}), flush=True)
+            detail, ok = {"error": f"{type(e).__name__}: {e}"[:3000]}, False
             traceback.print_exc()
+        failures += not ok
+        print(json.dumps({"check": name, "ok": ok, "seconds": round(time.monotonic() - started, 1), **detail}),
+              flush=True)
         return fn
     return wrap
 
@@ -38,9 +63,81 @@ def run(script: str, *args: str, nproc: int = 1, timeout: float = 300, **kw):
     return torchrun(f"scripts/{script}", *args, nproc_per_node=nproc, timeout=timeout, cwd=NOTEBOOKS, live=False, **kw)
 
 
-info = describe_environment()
+def capstone_data() -> Path:
+    return make_image_folder(NOTEBOOKS / "data" / "capstone", num_classes=4, images_per_class=64, size=16, seed=0,
+                             val_fraction=0.25)
+
+
+def final_weights(folder: str) -> dict:
+    import torch
+    return torch.load(NOTEBOOKS / "runs" / "gpu08" / folder / "last.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def same_weights(a: str, b: str) -> bool:
+    import torch
+    wa, wb = final_weights(a), final_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--out", type=Path, help="folder for the summary and the notebooks' logs")
+parser.add_argument("--skip-notebooks", action="store_true", help="only the script checks (1-3)")
+parser.add_argument("--solutions", action="store_true", help="also the solutions notebooks")
+parser.add_argument("--jobs", type=int, default=5, help="notebooks run at once")
+parser.add_argument("--notebook-timeout", type=int, default=420, help="seconds for one notebook")
+cli = parser.parse_args()
+
+info = describe_environment(verbose=False)
 gpus = info["gpu_count"]
-assert gpus >= 1, "this check needs a CUDA GPU"
+# GPU_CHECK_ON_CPU=1 runs the harness on a CPU machine, to try it before spending GPU time (the GPU checks then fail).
+assert gpus >= 1 or os.environ.get("GPU_CHECK_ON_CPU") == "1", "this check needs a CUDA GPU"
+NPROC = max(1, min(2, gpus))  # NCCL needs one GPU per rank
+
+
+@check("environment")
+def _():
+    import torch
+    nccl = torch.cuda.nccl.version() if gpus else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": info["gpus"], "python": info["python"],
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl, "cpu_count": info["cpu_count"]}
+
+
+@check("08 fp16 + GradScaler + --deterministic: a crash restarted by torchrun resumes bit-identical")
+def _():
+    common = ["--data", str(capstone_data()), "--num-epochs", "4", "--accum", "2", "--amp", "fp16"]
+    out = lambda name: ["--out", f"runs/gpu08/{name}"]
+    shutil.rmtree(NOTEBOOKS / "runs" / "gpu08", ignore_errors=True)
+    det = ["--deterministic"]
+    first = run("08_train.py", *common, *det, *out("det_a"), nproc=NPROC).records()
+    run("08_train.py", *common, *det, *out("det_b"), nproc=NPROC)
+    restarted = run("08_train.py", *common, *det, "--resume", "--crash-after-epoch", "1", *out("det_restart"),
+                    nproc=NPROC, torchrun_args=["--max-restarts=1"]).records()
+    run("08_train.py", *common, *out("free_a"), nproc=NPROC)
+    run("08_train.py", *common, *out("free_b"), nproc=NPROC)
+    starts = [(r["attempt"], r["start_epoch"]) for r in restarted if r.get("event") == "start"]
+    assert starts == [(0, 0), (1, 2)], starts  # torchrun restarted the job, which resumed at epoch 2
+    start = next(r for r in first if r.get("event") == "start")
+    assert start["backend"] == "nccl" and start["device"] == "cuda:0", start
+    import torch
+    scaler = torch.load(NOTEBOOKS / "runs" / "gpu08" / "det_a" / "last.pt", map_location="cpu",
+                        weights_only=True)["scaler"]
+    epoch = next(r for r in first if r.get("event") == "epoch")
+    seen = {"ranks": NPROC, "scale_in_checkpoint": scaler.get("scale"), "dtypes": epoch.get("dtypes"),
+            "val_acc": [r for r in first if r.get("event") == "done"][0]["history"][-1]["val_acc"],
+            "restarted_equals_uninterrupted": same_weights("det_a", "det_restart"),
+            "two_deterministic_runs_equal": same_weights("det_a", "det_b"),
+            "two_runs_without_deterministic_equal": same_weights("free_a", "free_b")}
+    seen["ok"] = seen["restarted_equals_uninterrupted"] and seen["two_deterministic_runs_equal"]
+    return seen
+
+
+@check("01 checkpoints: NCCL, map_location to cuda:0")
+def _():
+    recs = run("01_checkpoints.py", "--out", "runs/gpu01").records()
+    load = [r for r in recs if r.get("case") == "load_every_rank"]
+    assert load and all(r["device"] == "cuda:0" and r["loaded_device"] == "cuda:0" for r in load), load
+    assert all(abs(r["after"][0] - r["trained"]) < 1e-6 for r in load), load
+    return {"load": load}
 
 
 @check("00_hello on NCCL, one rank per GPU")
@@ -50,40 +147,33 @@ def _():
     assert {r["backend"] for r in recs} == {"nccl"}, recs
     assert {r["device"] for r in recs} == {f"cuda:{i}" for i in range(gpus)}, recs
     assert all(r["sum"] == gpus * (gpus + 1) / 2 for r in recs), recs
-    return {"records": recs[:2], "seconds": round(result.duration, 1)}
+    return {"records": recs[:2]}
 
 
-@check("backend='nccl' with more ranks than GPUs gives advice")
+@check("backend='nccl' with more ranks than GPUs gives advice; left to the script, such a launch runs on gloo")
 def _():
     try:
         run("00_hello.py", nproc=gpus + 1, backend="nccl")
     except RuntimeError as e:
         assert "needs one GPU per rank" in str(e), e
-        return {"message": str(e)[:200]}
-    raise AssertionError("no error")
+    else:
+        raise AssertionError("no error")
+    recs = run("00_hello.py", "--steps", "1", nproc=gpus + 1).records()
+    assert {r["backend"] for r in recs} == {"gloo"}, recs
+    return {"fallback_backend": "gloo"}
 
 
 def scripts_exit_zero(cases: list[tuple[str, list[str]]], nproc: int = 1) -> dict:
     out = {}
     for script, args in cases:
         result = run(script, *args, nproc=nproc)
-        out[f"{script} {' '.join(args)}".strip()] = {"seconds": round(result.duration, 1),
-                                                     "devices": sorted({str(r.get("device")) for r in result.records() if r.get("device")})}
+        devices = sorted({str(r.get("device")) for r in result.records() if r.get("device")})
+        out[f"{script} {' '.join(args)}".strip()] = {"seconds": round(result.duration, 1), "devices": devices}
     return out
-
-
-@check("01 checkpoints: NCCL, map_location to cuda:0")
-def _():
-    recs = run("01_checkpoints.py", "--out", "runs/gpu01").records()
-    load = [r for r in recs if r.get("case") == "load_every_rank"]
-    assert load and all(r["device"] == "cuda:0" and r["loaded_device"] == "cuda:0" for r in load), load
-    assert all(r["after"][0] == r["trained"] or abs(r["after"][0] - r["trained"]) < 1e-6 for r in load), load
-    return {"load": load}
 
 
 @check("02 sampler cases on one GPU")
 def _():
-    from ddp_helpers import make_image_folder
     make_image_folder(NOTEBOOKS / "data" / "shapes", num_classes=4, images_per_class=5, size=16, seed=0)
     return scripts_exit_zero([("02_sampler.py", ["--cases", "grid,rank_source,image_folder,evaluate,global_batch",
                                                  "--data", "data/shapes"])])
@@ -115,10 +205,7 @@ def _():
 
 @check("06 capstone on one GPU: NCCL, SyncBatchNorm, learns; figures")
 def _():
-    from ddp_helpers import make_image_folder
-    data = make_image_folder(NOTEBOOKS / "data" / "capstone", num_classes=4, images_per_class=64, size=16,
-                             seed=0, val_fraction=0.25)
-    recs = run("06_train.py", "--data", str(data), "--out", "runs/gpu06").records(rank=0)
+    recs = run("06_train.py", "--data", str(capstone_data()), "--out", "runs/gpu06").records(rank=0)
     start = next(r for r in recs if r["event"] == "start")
     done = next(r for r in recs if r["event"] == "done")
     assert start["backend"] == "nccl" and start["device"] == "cuda:0", start
@@ -131,24 +218,42 @@ def _():
     return {"val_acc": done["val_acc"], "samples_per_s": figures}
 
 
-@check("08 template on one GPU: float16 with GradScaler (scale saved), bfloat16, NCCL device_id")
-def _():
-    from ddp_helpers import make_image_folder
-    import torch
-    data = make_image_folder(NOTEBOOKS / "data" / "capstone", num_classes=4, images_per_class=64, size=16,
-                             seed=0, val_fraction=0.25)
-    seen = {}
-    for amp in ("fp16", "bf16"):
-        recs = run("08_train.py", "--data", str(data), "--out", f"runs/gpu08_{amp}", "--amp", amp).records(rank=0)
-        epoch = next(r for r in recs if r["event"] == "epoch")
-        done = next(r for r in recs if r["event"] == "done")
-        assert next(r for r in recs if r["event"] == "start")["backend"] == "nccl", recs[0]
-        assert epoch["dtypes"]["activations"] == {"fp16": "torch.float16", "bf16": "torch.bfloat16"}[amp], epoch
-        assert done["history"][-1]["val_acc"] >= 0.9, done
-        seen[amp] = {"dtypes": epoch["dtypes"], "val_acc": done["history"][-1]["val_acc"]}
-    scaler = torch.load(NOTEBOOKS / "runs" / "gpu08_fp16" / "last.pt", map_location="cpu", weights_only=True)["scaler"]
-    assert scaler["scale"] > 0, scaler
-    return {**seen, "fp16_scale_in_checkpoint": scaler["scale"]}
+def run_notebook(nb: Path, logs: Path) -> dict:
+    """One notebook under nbmake, in a fresh copy of the repository's tracked files (notebooks that run at once
+    then never share a data or runs folder)."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        for rel in filter(None, files.decode().split("\0")):
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, Path(tmp) / rel)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))}
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+                               "--nbmake", f"--nbmake-timeout={cli.notebook_timeout}", str(nb.relative_to(ROOT))],
+                              cwd=tmp, env=env, capture_output=True, text=True, timeout=cli.notebook_timeout + 120)
+    log = proc.stdout + proc.stderr
+    (logs / f"{nb.stem}.log").write_text(log)
+    tail = [line for line in log.splitlines() if line.strip()][-12:]
+    return {"notebook": str(nb.relative_to(NOTEBOOKS)), "ok": proc.returncode == 0,
+            "seconds": round(time.monotonic() - started, 1), **({} if proc.returncode == 0 else {"tail": tail})}
 
 
+if not cli.skip_notebooks:
+    @check("every notebook top to bottom under nbmake")
+    def _():
+        logs = cli.out or Path(tempfile.mkdtemp(prefix="gpu_check_logs_"))
+        logs.mkdir(parents=True, exist_ok=True)
+        chosen = sorted(NOTEBOOKS.glob("0*.ipynb")) + (sorted((NOTEBOOKS / "solutions").glob("0*.ipynb"))
+                                                       if cli.solutions else [])
+        with ThreadPoolExecutor(max_workers=cli.jobs) as pool:
+            results = list(pool.map(lambda nb: run_notebook(nb, logs), chosen))
+        for r in results:
+            print(json.dumps({"notebook_result": r}), flush=True)
+        return {"passed": sum(r["ok"] for r in results), "of": len(results),
+                "failed": [r["notebook"] for r in results if not r["ok"]], "logs": str(logs),
+                "ok": all(r["ok"] for r in results)}
+
+if cli.out:
+    cli.out.mkdir(parents=True, exist_ok=True)
+    (cli.out / "summary.json").write_text(json.dumps({"failures": failures}))
 sys.exit(failures)

@@ -111,7 +111,7 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
     - ``live``: which ranks' lines to print while the job runs: True (all), False, or a list of ranks.
       All lines are kept on the result either way.
     - ``backend``: "gloo" or "nccl", handed to the script as ``DDP_BACKEND`` (checked against the GPUs
-      first); None lets the script choose.
+      first); None lets the script choose, except with fewer GPUs than ranks per node: then gloo (a note says so).
     - ``torchrun_args``: extra torchrun flags, e.g. ``["--max-restarts=1"]``.
     - ``show_agent``: also print torchrun's own log lines, prefixed ``[torchrun]``.
     - ``grace``: seconds between SIGTERM and SIGKILL when the job has to be stopped.
@@ -188,6 +188,11 @@ def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd
     if backend is not None:
         _check_backend(backend, nproc_per_node)
         extra_env["DDP_BACKEND"] = backend
+    elif "DDP_BACKEND" not in extra_env and not os.environ.get("DDP_BACKEND"):
+        fallback = _one_gpu_fallback(nproc_per_node)
+        if fallback:
+            extra_env["DDP_BACKEND"] = "gloo"
+            _note_once(fallback)
 
     run_id = uuid.uuid4().hex[:12]
     node_args = _node_args(nnodes, run_id)
@@ -605,9 +610,37 @@ def _free_port() -> int:
 
 def _gpu_count(python: str) -> int:
     """How many GPUs torch sees, asked in a child process so that this process never imports torch."""
-    out = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"],
-                         capture_output=True, text=True, timeout=120)
-    return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    key = (python, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HIP_VISIBLE_DEVICES"))
+    if key not in _GPU_COUNTS:
+        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=120)
+        _GPU_COUNTS[key] = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    return _GPU_COUNTS[key]
+
+
+_GPU_COUNTS: dict[tuple, int] = {}  # asked once per kernel: the answer costs a torch import
+_NOTED: set[str] = set()
+
+
+def _may_have_gpus() -> bool:
+    """False where no GPU driver is present at all (NVIDIA or ROCm), so a CPU machine never pays for asking torch."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd"))
+
+
+def _one_gpu_fallback(nproc_per_node: int) -> str | None:
+    """A note when a script left to choose would pick NCCL with fewer GPUs than ranks per node (one GPU, two
+    ranks: a Colab or laptop GPU): rank 1 would ask for a GPU that does not exist, so such a launch runs on gloo."""
+    gpus = _gpu_count(sys.executable) if _may_have_gpus() else 0
+    if not 0 < gpus < nproc_per_node:
+        return None
+    return (f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than that "
+            f"runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) per node.")
+
+
+def _note_once(note: str) -> None:
+    if note not in _NOTED:
+        _NOTED.add(note)
+        print(f"ddp_helpers: {note}", flush=True)
 
 
 def _live_ranks(live: bool | Iterable[int], world_size: int) -> set[int]:

@@ -365,6 +365,24 @@ def test_backend_is_passed_to_the_script(script):
     assert torchrun(path, backend="gloo", live=False, timeout=300).records() == [{"backend": "gloo"}]
 
 
+@pytest.mark.parametrize("gpus, nproc, backend, expected", [
+    (1, 2, None, "gloo"),  # one GPU, two ranks: NCCL would send rank 1 to a cuda:1 that does not exist
+    (2, 2, None, None),  # one GPU per rank: the script chooses (NCCL)
+    (0, 2, None, None),  # no GPU: the script chooses (gloo)
+    (1, 2, "gloo", "gloo"),  # asked for: passed on as asked
+])
+def test_fewer_gpus_than_ranks_runs_on_gloo(script, monkeypatch, capsys, gpus, nproc, backend, expected):
+    from ddp_helpers import launcher
+    monkeypatch.delenv("DDP_BACKEND", raising=False)
+    monkeypatch.setattr(launcher, "_may_have_gpus", lambda: True)
+    monkeypatch.setattr(launcher, "_gpu_count", lambda python: gpus)
+    monkeypatch.setattr(launcher, "_NOTED", set())
+    job = launcher._plan(script(HELLO), (), nproc, 1, 60, None, None, None, False, backend, (), False, 1.0, False)
+    assert job.env.get("DDP_BACKEND") == expected, job.env.get("DDP_BACKEND")
+    noted = capsys.readouterr().out
+    assert ("NCCL needs one GPU per rank" in noted) == (expected == "gloo" and backend is None), noted
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-X", "importtime", "-m", "ddp_helpers", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)

@@ -101,10 +101,10 @@ def test_environment_yml_matches_pyproject():
     assert conda == expected
 
 
-def _readme_block(marker: str) -> str:
-    text = (REPO / "README.md").read_text()
+def _readme_block(marker: str, readme: str = "README.md") -> str:
+    text = (REPO / readme).read_text()
     m = re.search(rf"<!-- {marker} -->\s*```(?:bash|sh)?\n(.*?)\n```\s*<!-- /{marker} -->", text, re.S)
-    assert m, f"README.md lacks the {marker} block"
+    assert m, f"{readme} lacks the {marker} block"
     return m[1].strip()
 
 
@@ -262,13 +262,25 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
     assert git("diff", "--cached", "--stat") == "", "nothing was staged behind the learner's back"
 
 
-def test_the_open_commands_printed_address_opens_notebook_00():
+OPEN_COMMANDS = {"English": ("README.md", "open-command", "notebooks/00_start_here.ipynb"),
+                 "Chinese": ("README.zh-CN.md", "open-command-zh", "notebooks/zh-CN/00_start_here.ipynb")}
+
+
+def test_the_chinese_open_command_differs_only_in_its_notebook():
+    english, chinese = _readme_block("open-command"), _readme_block("open-command-zh", "README.zh-CN.md")
+    assert chinese == english.replace("notebooks/00_start_here.ipynb", "notebooks/zh-CN/00_start_here.ipynb"), chinese
+    assert (REPO / "notebooks" / "zh-CN" / "00_start_here.ipynb").is_file()
+
+
+@pytest.mark.parametrize("language", OPEN_COMMANDS)
+def test_the_open_commands_printed_address_opens_notebook_00(language):
     """Start JupyterLab as the README's open command does and follow the address it prints."""
     import time
     import urllib.error
     import urllib.request
 
-    launch = _readme_block("open-command").split("&&")[-1].split()
+    readme, marker, notebook = OPEN_COMMANDS[language]
+    launch = _readme_block(marker, readme).split("&&")[-1].split()
     assert launch[:2] == [".venv/bin/jupyter", "lab"], launch
     cmd = [sys.executable, "-m", "jupyterlab", *launch[2:], "--no-browser", "--ServerApp.port=0"]  # no fixed port
     server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -280,7 +292,7 @@ def test_the_open_commands_printed_address_opens_notebook_00():
                 break
         else:
             pytest.fail("JupyterLab exited without printing an address")
-        assert "/lab/tree/notebooks/00_start_here.ipynb?token=" in address, address
+        assert f"/lab/tree/{notebook}?token=" in address, address
         for _ in range(600):  # the address is printed just before the server answers: retry until it does
             try:
                 with urllib.request.urlopen(address, timeout=60) as page:
