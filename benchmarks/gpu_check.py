@@ -45,6 +45,8 @@ def check(name: str):
     """Run the decorated function now, print its JSON line, and count a failure instead of stopping."""
     def wrap(fn):
         global failures
+        if cli.only and not any(word in name for word in cli.only):
+            return fn
         started = time.monotonic()
         try:
             detail = fn() or {}
@@ -85,6 +87,8 @@ parser.add_argument("--skip-notebooks", action="store_true", help="only the scri
 parser.add_argument("--solutions", action="store_true", help="also the solutions notebooks")
 parser.add_argument("--jobs", type=int, default=5, help="notebooks run at once")
 parser.add_argument("--notebook-timeout", type=int, default=420, help="seconds for one notebook")
+parser.add_argument("--notebook-glob", default="0*.ipynb", help="which notebooks (in notebooks/ and solutions/)")
+parser.add_argument("--only", nargs="*", help="run only the checks whose names contain one of these words")
 cli = parser.parse_args()
 
 info = describe_environment(verbose=False)
@@ -243,8 +247,8 @@ if not cli.skip_notebooks:
     def _():
         logs = cli.out or Path(tempfile.mkdtemp(prefix="gpu_check_logs_"))
         logs.mkdir(parents=True, exist_ok=True)
-        chosen = sorted(NOTEBOOKS.glob("0*.ipynb")) + (sorted((NOTEBOOKS / "solutions").glob("0*.ipynb"))
-                                                       if cli.solutions else [])
+        chosen = sorted(NOTEBOOKS.glob(cli.notebook_glob)) + (
+            sorted((NOTEBOOKS / "solutions").glob(cli.notebook_glob)) if cli.solutions else [])
         with ThreadPoolExecutor(max_workers=cli.jobs) as pool:
             results = list(pool.map(lambda nb: run_notebook(nb, logs), chosen))
         for r in results:
