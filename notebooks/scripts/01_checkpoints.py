@@ -62,12 +62,13 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     plain_path = os.path.join(args.out, "plain.pt")
     wrapped_path = os.path.join(args.out, "ddp_wrapped.pt")
+    optimizer_path = os.path.join(args.out, "optimizer.pt")
 
     # 1. Train a few steps. Same seed on every rank, but DDP would broadcast rank 0's weights anyway.
     torch.manual_seed(0)
     model = build_model().to(device)
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)  # momentum: a state of its own
     data = torch.Generator().manual_seed(100 + rank)  # each rank draws its own batches
     for step in range(args.steps):
         x = torch.randn(16, 4, generator=data).to(device)
@@ -86,6 +87,7 @@ def main() -> None:
     if rank == 0:
         save_atomically(ddp.state_dict(), wrapped_path)  # keys start with "module."
         save_atomically(ddp.module.state_dict(), plain_path)  # plain keys: the habit to keep
+        save_atomically(optimizer.state_dict(), optimizer_path)  # the momentum buffers, for case 5
     dist.barrier()  # NEEDED: no rank may open the file before rank 0 has finished writing it
 
     # 3. Every rank loads onto its own device (cuda:LOCAL_RANK or cpu), into a fresh, untrained model.
@@ -113,15 +115,32 @@ def main() -> None:
     print(json.dumps({"rank": rank, "case": "race", "found_without_barrier": found_without_barrier,
                       "found_after_barrier": os.path.exists(late_path)}))
 
-    # 5. Alternative: only rank 0 loads, and wrapping in DDP broadcasts rank 0's state to every rank.
-    torch.manual_seed(1 + rank)
-    solo = build_model().to(device)
-    if rank == 0:
-        solo.load_state_dict(torch.load(plain_path, map_location=device, weights_only=True))
-    before = gather(checksum(solo), device)
-    solo_ddp = DDP(solo, device_ids=[local_rank] if device.type == "cuda" else None)
-    print(json.dumps({"rank": rank, "case": "rank0_load_then_wrap", "before": before,
-                      "after": gather(checksum(solo_ddp.module), device), "trained": trained}))
+    # 5. Alternative: only rank 0 loads, and wrapping in DDP broadcasts rank 0's state to every rank. That state
+    #    is the module's parameters and buffers only: DDP never sees the optimizer (nor a scheduler or a GradScaler),
+    #    so their states must be loaded on every rank. Tried both ways, each followed by one more training step.
+    x = torch.randn(16, 4, generator=data).to(device)
+    y = torch.randint(0, 2, (16,), generator=data).to(device)
+    for case, optimizer_on_every_rank in (("rank0_load_then_wrap", False), ("optimizer_on_every_rank", True)):
+        torch.manual_seed(1 + rank)
+        solo = build_model().to(device)
+        solo_optimizer = torch.optim.SGD(solo.parameters(), lr=0.1, momentum=0.9)
+        if rank == 0:
+            solo.load_state_dict(torch.load(plain_path, map_location=device, weights_only=True))
+        if rank == 0 or optimizer_on_every_rank:
+            solo_optimizer.load_state_dict(torch.load(optimizer_path, map_location=device, weights_only=True))
+        before = gather(checksum(solo), device)
+        solo_ddp = DDP(solo, device_ids=[local_rank] if device.type == "cuda" else None)
+        after = gather(checksum(solo_ddp.module), device)
+        momentum = sum(s["momentum_buffer"].double().sum().item() for s in solo_optimizer.state.values())
+        optimizer_states = gather(float(len(solo_optimizer.state)), device)  # parameters with a momentum buffer
+        momentum_checksums = gather(momentum, device)
+        loss = nn.functional.cross_entropy(solo_ddp(x), y)
+        solo_optimizer.zero_grad()
+        loss.backward()  # the same averaged gradient on every rank
+        solo_optimizer.step()
+        print(json.dumps({"rank": rank, "case": case, "before": before, "after": after, "trained": trained,
+                          "optimizer_states": optimizer_states, "momentum_checksums": momentum_checksums,
+                          "params_after_step": gather(checksum(solo_ddp.module, "params"), device)}))
     # Free the DDP wrappers while their process group exists. A wrapper is in a reference cycle, so `del` alone
     # leaves it to the garbage collector; collected after destroy_process_group, it made gloo abort the process
     # ("terminate called without an active exception") in 2 of 20 runs of a 3-DDP script here, 0 of 20 with this.

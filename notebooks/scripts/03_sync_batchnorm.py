@@ -24,9 +24,10 @@ def setup() -> tuple[int, int, int, torch.device]:
 
 
 # ---------------------------------------------------------------------------------------------
-# REFERENCE ONLY, not for training. nn.SyncBatchNorm refuses CPU tensors, so on a CPU machine this
-# small re-implementation (all_reduce of sum, sum of squares and count) is how we can see what it
-# computes. On CUDA the script uses the real nn.SyncBatchNorm and runs the very same checks.
+# REFERENCE ONLY, not for training. nn.SyncBatchNorm refuses CPU tensors whenever it would synchronise
+# (training mode, process group initialised), so on a CPU machine this small re-implementation (all_reduce
+# of sum, sum of squares and count) is how we can see what it computes. On CUDA the script uses the real
+# nn.SyncBatchNorm and runs the very same checks.
 # ---------------------------------------------------------------------------------------------
 class SyncBNFunction(torch.autograd.Function):
     @staticmethod
@@ -173,8 +174,9 @@ def case_drift(rank, world_size, device, args) -> dict:
             record[f"{'local' if kind == 'local' else 'sync'}_b{batch}"] = {
                 "running_mean": gather(bn.running_mean), "running_var": gather(bn.running_var),
                 "trace_channel0": gather(torch.tensor(trace, device=device))}
-    # Plain BatchNorm inside DDP: forward_sync_buffers=True (the default) sends rank 0's buffers to every
-    # rank before each forward. (Running statistics depend on the inputs only, not on the weights.)
+    # Plain BatchNorm inside DDP: DDP sends rank 0's buffers to every rank at construction and, with
+    # forward_sync_buffers=True (the default), before each forward, here every one (not after a no_grad or
+    # no_sync forward: notebook 04). Running statistics depend on the inputs only, not on the weights.
     bn = make_bn("local", args.channels, device)
     ddp = DDP(bn, device_ids=[device.index]) if device.type == "cuda" else DDP(bn)
     for step in range(args.drift_steps):
