@@ -7,8 +7,9 @@ warm-up), all with the same per-process batch:
   DDP 2 ranks            torchrun, world size 2
   2 independent          two plain processes at once, throughputs added: what 2 cores give with no
                          communication at all (the ceiling for 2 ranks on this machine)
-each with one thread per rank (process scaling; the goal's measure), and DDP also with the script's
-default of cores // ranks threads (1 rank then uses every core through threads). The ways rotate
+each with one thread per rank (process scaling; the goal's measure), and DDP also with the default
+threads (1 rank then uses every core through torch's threads; 2 ranks get torchrun's OMP_NUM_THREADS=1,
+which on 2 cores is cores // ranks). The ways rotate
 order over several rounds; medians give the ratios.
 Goals: 2 ranks / 1 rank >= 1.7; DDP at world size 1 / plain loop >= 0.95.
 Usage: python benchmarks/capstone_scaling.py [--rounds 7] [--batch-size 32]
@@ -58,7 +59,8 @@ def _plain(common: list[str], out: Path, env: dict, copies: int) -> float:
 def run(way: str, common: list[str]) -> float:
     """Training samples per second of one way (see the module docstring)."""
     name, threads = way.rsplit(" @", 1)
-    env = {"OMP_NUM_THREADS": "1"} if threads == ONE_THREAD else {}  # else the script splits the cores
+    # else the defaults split the cores: torch's own for 1 rank (all of them), torchrun's OMP_NUM_THREADS=1 for 2
+    env = {"OMP_NUM_THREADS": "1"} if threads == ONE_THREAD else {}
     out = RESULTS / "runs" / way.replace(" ", "_").replace("@", "").replace("/", "_")
     if name in ("plain python", "2 independent"):
         return _plain(common, out, env, copies=1 if name == "plain python" else 2)

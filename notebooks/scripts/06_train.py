@@ -77,12 +77,20 @@ def build_model(num_classes: int) -> nn.Module:
 
 
 def load_weights(model: nn.Module, path: str, device: torch.device) -> dict:
-    """Load a checkpoint saved by this script (or any DDP/compiled model) into a plain model (01)."""
+    """Load a checkpoint saved by this script (or from a DDP/compiled model, nested either way) into a plain model."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
     state = ckpt["model"] if "model" in ckpt else ckpt
-    for prefix in ("module.", "_orig_mod."):
-        consume_prefix_in_state_dict_if_present(state, prefix)
-    model.load_state_dict(state)
+    # 01's rule: a wrapper's prefix comes off only while *every* key carries it, the outermost first, until none
+    # does. So "_orig_mod.module." (torch.compile(DDP(m))) and "module._orig_mod." (DDP(torch.compile(m))) both go,
+    # and a model's own submodule named "module" keeps its name as long as some keys lie outside it.
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in ("module.", "_orig_mod."):  # DDP / DataParallel, torch.compile
+            if state and all(key.startswith(prefix) for key in state):
+                consume_prefix_in_state_dict_if_present(state, prefix)
+                stripped = True
+    model.load_state_dict(state)  # strict: any other mismatch still raises
     return ckpt
 
 
@@ -134,8 +142,8 @@ def main() -> None:
     args = parser.parse_args()
 
     ddp, rank, local_rank, world_size, device = setup()
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # unless you chose: share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    # CPU threads are left to the launcher: torchrun sets OMP_NUM_THREADS=1 for each worker when it starts more than
+    # one per node and you did not set it. For a rank's share of the CPUs, count those it may use (05), then set it.
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP would broadcast rank 0's anyway)
     os.makedirs(args.out, exist_ok=True)
     last = os.path.join(args.out, "last.pt")
@@ -162,10 +170,12 @@ def main() -> None:
         ckpt = load_weights(model, last, device)  # every rank reads the same file, onto its own device
         optimizer.load_state_dict(ckpt["optimizer"])
         start_epoch, history = ckpt["sampler"]["epoch"], ckpt["history"]  # the loop calls set_epoch with it
-    # 04: by default DDP broadcasts rank 0's buffers before every forward: one collective per step. This script
-    # hands rank 0's BatchNorm statistics to every rank once per epoch (before evaluating), so it turns that off.
-    # torch >= 2.13 calls the flag forward_sync_buffers; older releases call it broadcast_buffers, whose False also
-    # skipped the sync at construction (04): harmless here, every rank builds the model from the same seed.
+    # 04: by default DDP broadcasts rank 0's buffers at the start of a forward through the wrapper (skipped only
+    # after a no_grad or no_sync() forward through it; evaluation here uses the module): one collective per step.
+    # This script hands rank 0's BatchNorm statistics to every rank once per epoch (before evaluating), so it turns
+    # that off. torch >= 2.13: forward_sync_buffers=False (also no buffer syncs under Join; the sync at construction
+    # stays). Before 2.13: broadcast_buffers=False, which also skips the sync at construction: harmless here, every
+    # rank builds the model from the same seed and loads the same checkpoint.
     no_sync_buffers = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                         else "broadcast_buffers"): False}
     net = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None, **no_sync_buffers) if ddp else model
@@ -175,6 +185,9 @@ def main() -> None:
                           "backend": dist.get_backend() if ddp else None, "ddp": ddp,
                           "global_batch": args.batch_size * world_size, "start_epoch": start_epoch,
                           "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # 05: restarts so far
+                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                          "torch_threads": torch.get_num_threads(),  # the intra-op threads this rank computes with
+                          "cpu_count": os.cpu_count(),  # the whole machine's CPUs, whatever this process may use
                           "train_items": len(train_set), "val_items": len(val_set)}))
     for epoch in range(start_epoch, args.num_epochs):
         train_sampler.set_epoch(epoch)  # 02: a new shuffle each epoch, the same on every rank
