@@ -15,6 +15,27 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
 
 
+def tcp_connections() -> set[tuple[int, int]] | None:
+    """(local port, remote port) of each TCP connection this process holds open; Linux's /proc only, else None."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sockets.add(os.readlink(f"/proc/self/fd/{fd}"))  # "socket:[INODE]" for a socket
+        except OSError:  # the descriptor that listed the folder, closed by now
+            pass
+    connections = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as f:
+                for row in f.readlines()[1:]:
+                    local, remote, state, inode = (row.split()[i] for i in (1, 2, 3, 9))
+                    if state == "01" and f"socket:[{inode}]" in sockets:  # 01: ESTABLISHED
+                        connections.add((int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)))
+    return connections
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--init-method", action="append",
@@ -44,6 +65,7 @@ def main() -> None:
     time.sleep(args.stagger * int(os.environ["RANK"]))
 
     for url in args.init_method or ["env://"]:
+        held_before = tcp_connections()
         # With env:// (the default) rank and world_size may be left out: torchrun's RANK and WORLD_SIZE are used.
         dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
         store_file = urlparse(url).path if url.startswith("file://") else None
@@ -51,9 +73,13 @@ def main() -> None:
                   "store_file": store_file, "store_file_exists": bool(store_file and os.path.exists(store_file))}
         value = torch.tensor([float(dist.get_rank() + 1)], device=device)
         dist.all_reduce(value)  # 1 + 2 = 3 on two ranks
+        # The TCP connections init_process_group opened, listed before the next all_reduce, which no rank can leave
+        # (and close its ends) before every rank has listed its own.
+        opened = None if held_before is None else sorted(tcp_connections() - held_before)
         batch = torch.tensor([args.batch_size], device=device)
         dist.all_reduce(batch)  # the global batch: the sum of every process's batch
-        record.update(sum=value.item(), batch_size=args.batch_size, global_batch=int(batch.item()), env=env)
+        record.update(sum=value.item(), batch_size=args.batch_size, global_batch=int(batch.item()), env=env,
+                      tcp_opened=opened)
         print(json.dumps(record), flush=True)
         if args.crash:
             os._exit(1)  # like a killed job: no destroy_process_group, nothing cleaned up

@@ -33,13 +33,17 @@ def save_huge_checkpoint(seconds: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=["late-rank", "monitored-barrier", "ddp-step"], default="ddp-step")
-    parser.add_argument("--late", type=float, default=60.0, help="seconds rank 1 spends 'saving'")
+    parser.add_argument("--late", type=float, default=60.0, help="seconds the late rank(s) spend 'saving'")
     parser.add_argument("--pg-timeout", type=float, default=None, help="init_process_group(timeout=...)")
     parser.add_argument("--watchdog", type=float, default=None,
                         help="faulthandler dumps every thread's stack and exits after this many seconds")
+    parser.add_argument("--wait-all-ranks", action="store_true",
+                        help="monitored_barrier names every missing rank, not only the first")
     args = parser.parse_args()
     rank, device = setup(args.pg_timeout)
-    print(json.dumps({"rank": rank, "event": "ready", "backend": dist.get_backend()}), flush=True)
+    nccl_error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")  # what NCCL does on a timeout (07, 2a)
+    print(json.dumps({"rank": rank, "event": "ready", "backend": dist.get_backend(),
+                      "nccl_error_handling": nccl_error_handling}), flush=True)
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)  # in a loop: re-arm it every step
     if args.case == "late-rank":
@@ -50,9 +54,9 @@ def main() -> None:
     elif args.case == "monitored-barrier":
         # monitored_barrier is implemented by gloo only; a gloo side group makes it usable in NCCL jobs too.
         gloo = dist.new_group(backend="gloo")
-        if rank == 1:
+        if rank > 0:  # every rank but rank 0, the monitor
             save_huge_checkpoint(args.late)
-        dist.monitored_barrier(group=gloo, timeout=datetime.timedelta(seconds=2))
+        dist.monitored_barrier(group=gloo, timeout=datetime.timedelta(seconds=2), wait_all_ranks=args.wait_all_ranks)
     else:
         model = DDP(torch.nn.Linear(4, 2).to(device), device_ids=[device.index] if device.type == "cuda" else None)
         model(torch.randn(8, 4, device=device)).sum().backward()
