@@ -3,8 +3,8 @@
 Mixed precision, gradient clipping, a scaled learning rate with warm-up and cosine decay, gradient
 accumulation, augmentation that is reproducible under any number of workers, and a checkpoint that
 holds everything the next epoch depends on (RNG states of every rank included), so that a run
-restarted by `torchrun --max-restarts` ends exactly where an uninterrupted one does.
-Runs with `python 08_train.py` or `torchrun --nproc-per-node=N 08_train.py`.
+restarted by `torchrun --max-restarts` ends exactly where an uninterrupted one does (on GPUs, with
+`--deterministic`). Runs with `python 08_train.py` or `torchrun --nproc-per-node=N 08_train.py`.
 """
 import argparse
 import contextlib
@@ -87,11 +87,18 @@ class Augmented(Dataset):
         return x.roll((dy, dx), dims=(1, 2)), y
 
 
+class GlobalAvgPool(nn.Module):
+    """The mean over height and width, as AdaptiveAvgPool2d(1), whose CUDA backward has no deterministic version."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3), keepdim=True)
+
+
 def build_model(num_classes: int) -> nn.Module:
     """The capstone's small CNN, plus dropout (which draws from the torch RNG on every training step)."""
     def block(c_in: int, c_out: int) -> nn.Sequential:
         return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
-    return nn.Sequential(block(3, 16), nn.MaxPool2d(2), block(16, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    return nn.Sequential(block(3, 16), nn.MaxPool2d(2), block(16, 32), GlobalAvgPool(), nn.Flatten(),
                          nn.Dropout(0.2), nn.Linear(32, num_classes))
 
 
@@ -120,6 +127,36 @@ def set_rng_states(states: dict, loader_generator: torch.Generator, device: torc
     loader_generator.set_state(states["loader"])
     if states["cuda"] is not None:
         torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def checkpoint(model: nn.Module, optimizer, scheduler, scaler, epoch: int, rng: list, history: list,
+               args: dict) -> dict:
+    """Everything the next epoch depends on, after `epoch`; `rng` holds every rank's streams, in rank order."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "sampler_epoch": epoch + 1, "step": int(scheduler.last_epoch),
+            "world_size": len(rng), "rng": rng, "history": history, "args": args}
+
+
+def restore(path: str, model: nn.Module, optimizer, scheduler, scaler, loader_generator: torch.Generator,
+            rank: int, world_size: int, device: torch.device, rng: bool = True) -> tuple[int, list]:
+    """Load a `checkpoint()` file into this rank's objects: (the epoch to start from, the history so far)."""
+    # map_location="cpu", not device: the RNG setters take CPU ByteTensors only, and on GPUs map_location=device
+    # would move the saved states there. Nothing else needs the device: load_state_dict copies the weights into
+    # the model where it is, Optimizer.load_state_dict moves its state to its parameters' device, and the
+    # scheduler's and GradScaler's states are plain numbers.
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if ckpt["world_size"] != world_size:
+        raise SystemExit(f"{path} was saved by {ckpt['world_size']} ranks, this run has {world_size}: its per-rank "
+                         "RNG states and its learning rate and schedule (scaled for its global batch) do not fit. "
+                         f"Resume with {ckpt['world_size']} ranks (an elastic --nnodes=MIN:MAX job can change size "
+                         "between attempts: give --nnodes one number), or start a new run in another --out")
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    scaler.load_state_dict(ckpt["scaler"])
+    if rng:
+        set_rng_states(ckpt["rng"][rank], loader_generator, device)  # this rank's own streams
+    return ckpt["sampler_epoch"], ckpt["history"]
 
 
 def save_atomically(obj: dict, path: str) -> None:
@@ -159,19 +196,24 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
-                        help="bf16: autocast to bfloat16 (CPU or GPU); fp16: float16 with a GradScaler (CUDA only)")
+                        help="bf16: autocast to bfloat16; fp16: float16 with a GradScaler (any device, slow on CPUs)")
+    parser.add_argument("--deterministic", action="store_true", help="deterministic kernels, for bit-identical reruns")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/last.pt if it exists")
     parser.add_argument("--crash-after-epoch", type=int, default=-1, help="the last rank fails (unless resumed past it)")
+    parser.add_argument("--crash-at-step", type=int, default=-1, help="the last rank fails after this optimizer step, "
+                        "mid-epoch, in a run that did not resume")
     parser.add_argument("--init-seed-per-rank", action="store_true", help="demo: different initial weights per rank")
     parser.add_argument("--no-restore-rng", action="store_true", help="demo: resume without the RNG states")
     args = parser.parse_args()
 
+    if args.deterministic:  # before any CUDA work: cuBLAS reads the variable when it sets up its workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # else cuBLAS matmuls raise under the next line
+        torch.use_deterministic_algorithms(True)  # an op without a deterministic kernel raises instead of running
+        torch.backends.cudnn.benchmark = False  # the default, said aloud: timing trials may pick other algorithms
     ddp, rank, local_rank, world_size, device = setup()
-    if args.amp == "fp16" and device.type != "cuda":
-        raise SystemExit("--amp fp16 needs CUDA (GradScaler guards float16's narrow range on GPUs); use --amp bf16 here")
     amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     os.makedirs(args.out, exist_ok=True)
     last = os.path.join(args.out, "last.pt")
@@ -198,6 +240,11 @@ def main() -> None:
     random.seed(args.seed * 1_000 + rank)
     net = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
     wrapped_checksums = gather(checksum(model), ddp)
+    # What autocast gives the first (Sync)BatchNorm: recorded on the first micro-batch, then the hook goes.
+    bn_dtypes = {}
+    first_bn = next(m for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)))
+    bn_hook = first_bn.register_forward_hook(lambda module, inputs, output: bn_dtypes.update(
+        batch_norm_input=str(inputs[0].dtype), batch_norm_output=str(output.dtype)))
 
     # Learning rate: scaled with the global batch (per-process batch x ranks x accumulation), warmed up, then cosine.
     global_batch = args.batch_size * world_size * args.accum
@@ -211,19 +258,14 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range: no scaling
 
     start_epoch, history = 0, []
-    if args.resume and os.path.exists(last):
-        ckpt = torch.load(last, map_location=device, weights_only=True)  # every rank, onto its own device
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, history = ckpt["sampler_epoch"], ckpt["history"]
-        if not args.no_restore_rng:
-            set_rng_states(ckpt["rng"][rank], loader_generator, device)  # this rank's own streams
+    if args.resume and os.path.exists(last):  # every rank reads the one file
+        start_epoch, history = restore(last, model, optimizer, scheduler, scaler, loader_generator, rank, world_size,
+                                       device, rng=not args.no_restore_rng)
     if rank == 0:
         print(json.dumps({"event": "start", "rank": rank, "world_size": world_size, "device": str(device),
                           "backend": dist.get_backend() if ddp else None, "amp": args.amp, "global_batch": global_batch,
                           "lr": lr, "steps_per_epoch": steps_per_epoch, "start_epoch": start_epoch,
+                          "start_step": int(scheduler.last_epoch), "deterministic": args.deterministic,
                           "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                           "init_checksums": init_checksums, "wrapped_checksums": wrapped_checksums}), flush=True)
 
@@ -238,8 +280,9 @@ def main() -> None:
                     out = net(x.to(device, non_blocking=True))
                     loss = nn.functional.cross_entropy(out, y.to(device))  # autocast computes it in float32
                 if epoch == start_epoch and micro == 0:
-                    record["dtypes"] = {"activations": str(out.dtype), "loss": str(loss.dtype),
+                    record["dtypes"] = {**bn_dtypes, "logits": str(out.dtype), "loss": str(loss.dtype),
                                         "weights": str(next(model.parameters()).dtype)}
+                    bn_hook.remove()
                 scaler.scale(loss / args.accum).backward()  # DDP all-reduces the gradients here when in sync
             seen += len(y)
             if not sync:
@@ -255,6 +298,8 @@ def main() -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()  # once per optimizer step, not per micro-batch
+            if scheduler.last_epoch == args.crash_at_step and start_epoch == 0 and rank == world_size - 1:
+                raise RuntimeError(f"simulated crash at optimizer step {args.crash_at_step}, in epoch {epoch}")
         record["optimizer_steps"] = int(scheduler.last_epoch)
         record["samples_per_s"] = seen * world_size / (time.perf_counter() - t0)  # training only, all ranks
         if rank == 0:
@@ -262,10 +307,7 @@ def main() -> None:
             history.append({k: record[k] for k in ("epoch", "val_loss", "val_acc")})
         rng = gather(rng_states(loader_generator, device), ddp)  # every rank's streams, for rank 0's one file
         if rank == 0:
-            save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                             "sampler_epoch": epoch + 1, "step": int(scheduler.last_epoch), "rng": rng,
-                             "history": history, "args": vars(args)}, last)
+            save_atomically(checkpoint(model, optimizer, scheduler, scaler, epoch, rng, history, vars(args)), last)
         print(json.dumps(record), flush=True)
         if ddp:  # nobody goes on (or crashes) before the checkpoint is on disk; on NCCL, name the GPU to sync on
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
