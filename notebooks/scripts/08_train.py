@@ -140,7 +140,7 @@ def checkpoint(model: nn.Module, optimizer, scheduler, scaler, epoch: int, rng: 
 def restore(path: str, model: nn.Module, optimizer, scheduler, scaler, loader_generator: torch.Generator,
             rank: int, world_size: int, device: torch.device, rng: bool = True) -> tuple[int, list]:
     """Load a `checkpoint()` file into this rank's objects: (the epoch to start from, the history so far)."""
-    # map_location="cpu", not device: the RNG setters take CPU ByteTensors only, and on GPUs map_location=device
+    # Onto the CPU, not this rank's device: the RNG setters take CPU ByteTensors only, and a GPU map_location
     # would move the saved states there. Nothing else needs the device: load_state_dict copies the weights into
     # the model where it is, Optimizer.load_state_dict moves its state to its parameters' device, and the
     # scheduler's and GradScaler's states are plain numbers.
