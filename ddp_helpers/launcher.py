@@ -623,8 +623,10 @@ _NOTED: set[str] = set()
 
 
 def _may_have_gpus() -> bool:
-    """False where no GPU driver is present at all (NVIDIA or ROCm), so a CPU machine never pays for asking torch."""
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd"))
+    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never pays
+    for asking torch."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
+                                           "/dev/dxg"))
 
 
 def _one_gpu_fallback(nproc_per_node: int) -> str | None:
