@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import struct
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -102,32 +103,61 @@ def make_image_folder(root: str | os.PathLike, num_classes: int = 4, images_per_
         raise ValueError(f"size must be a whole number of pixels from 4 to 512, not {size!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), not {val_fraction!r}")
+    n_val = round(images_per_class * val_fraction)
+    if val_fraction > 0 and not 0 < n_val < images_per_class:
+        raise ValueError(f"val_fraction={val_fraction} leaves no train or no val image out of {images_per_class}")
     names = class_names(num_classes)
     root = Path(root)
     settings = {"num_classes": num_classes, "images_per_class": images_per_class, "size": size,
                 "seed": seed, "val_fraction": val_fraction, "version": 1}
-    marker = root / _MARKER
+    if _written_with(root, settings):
+        return root
+    if root.exists() and not (root / _MARKER).exists() and any(root.iterdir()):
+        raise FileExistsError(f"{root} exists, is not empty, and was not written by make_image_folder")
+    # Every argument is valid: build the new folder beside the old one, then swap, so that a bad call, an
+    # interrupted cell or a crash never leaves a half-written or emptied dataset where a notebook looks.
+    root.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=f".{root.name}.new", dir=root.parent))
     try:
-        if json.loads(marker.read_text()) == settings:
-            return root
-    except (OSError, ValueError):
-        pass
-    if root.exists():
-        if not marker.exists() and any(root.iterdir()):
-            raise FileExistsError(f"{root} exists, is not empty, and was not written by make_image_folder")
-        for child in root.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-    n_val = round(images_per_class * val_fraction)
-    if val_fraction > 0 and not 0 < n_val < images_per_class:
-        raise ValueError(f"val_fraction={val_fraction} leaves no train or no val image out of {images_per_class}")
-    for label, name in enumerate(names):
-        shape = SHAPES[label]
-        colour = COLOURS[name.split("_")[1]]
-        rng = random.Random(f"{seed}-{label}")  # str seeds hash deterministically (not via hash())
-        for i in range(images_per_class):
-            split = "" if val_fraction == 0 else ("val" if i >= images_per_class - n_val else "train")
-            folder = root / split / name if split else root / name
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{name}_{i:03d}.png").write_bytes(_png(_draw(shape, colour, size, rng), size))
-    marker.write_text(json.dumps(settings))
+        for label, name in enumerate(names):
+            shape = SHAPES[label]
+            colour = COLOURS[name.split("_")[1]]
+            rng = random.Random(f"{seed}-{label}")  # str seeds hash deterministically (not via hash())
+            for i in range(images_per_class):
+                split = "" if val_fraction == 0 else ("val" if i >= images_per_class - n_val else "train")
+                folder = build / split / name if split else build / name
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{name}_{i:03d}.png").write_bytes(_png(_draw(shape, colour, size, rng), size))
+        (build / _MARKER).write_text(json.dumps(settings))
+        _swap_in(build, root, settings)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)  # gone already when the swap succeeded
     return root
+
+
+def _written_with(root: Path, settings: dict) -> bool:
+    try:
+        return json.loads((root / _MARKER).read_text()) == settings
+    except (OSError, ValueError):
+        return False
+
+
+def _swap_in(build: Path, root: Path, settings: dict) -> None:
+    """Put the finished folder ``build`` at ``root``; an earlier make_image_folder folder there is replaced."""
+    old = None
+    if root.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old", dir=root.parent))
+        os.replace(root, old / "data")
+    try:
+        os.replace(build, root)
+    except OSError:
+        if _written_with(root, settings):  # another process made the same folder meanwhile: keep theirs
+            pass
+        elif old is not None and not root.exists():
+            os.replace(old / "data", root)  # put the old folder back rather than lose it
+            raise
+        else:
+            raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

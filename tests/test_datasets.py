@@ -45,6 +45,38 @@ def test_refuses_foreign_folder(tmp_path):
         make_image_folder(tmp_path / "mine")
 
 
+def test_bad_arguments_leave_an_existing_folder_intact(tmp_path):
+    root = make_image_folder(tmp_path / "ds", num_classes=2, images_per_class=4, size=8)
+    before = _files(root)
+    for bad in ({"val_fraction": 1.5}, {"images_per_class": 2, "val_fraction": 0.1}, {"size": 1}):
+        with pytest.raises(ValueError):
+            make_image_folder(tmp_path / "ds", **{"num_classes": 2, "images_per_class": 4, "size": 8, **bad})
+        assert _files(root) == before, bad
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"], "nothing is left beside it"
+
+
+def test_an_interrupted_rebuild_keeps_the_old_folder_and_can_be_rerun(tmp_path, monkeypatch):
+    from ddp_helpers import datasets
+
+    root = make_image_folder(tmp_path / "ds", num_classes=2, images_per_class=4, size=8)
+    before = _files(root)
+    real_png, calls = datasets._png, []
+
+    def interrupted(raw, size):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Kernel -> Interrupt while the new images are written
+        return real_png(raw, size)
+
+    monkeypatch.setattr(datasets, "_png", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make_image_folder(tmp_path / "ds", num_classes=3, images_per_class=4, size=8)
+    assert _files(root) == before, "the old dataset is still whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"], "the half-built folder is gone"
+    monkeypatch.setattr(datasets, "_png", real_png)
+    assert len(_files(make_image_folder(tmp_path / "ds", num_classes=3, images_per_class=4, size=8))) == 12
+
+
 def test_train_val_split(tmp_path):
     root = make_image_folder(tmp_path / "ds", num_classes=2, images_per_class=10, size=8, val_fraction=0.2)
     for name in class_names(2):
