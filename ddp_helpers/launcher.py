@@ -169,6 +169,13 @@ def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd
     nnodes = _check_count("nnodes", nnodes)
     timeout = _check_seconds("timeout", timeout)
     stall_timeout = _check_seconds("stall_timeout", stall_timeout)
+    grace = _check_grace(grace)
+    torchrun_args = _check_flags(torchrun_args)
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"env must be a dict of variables such as {{'NCCL_DEBUG': 'INFO'}}, not {env!r}")
+    for name, flag in (("show_agent", show_agent), ("warm", warm)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, not {flag!r}")
     run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(run_cwd):
         raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
@@ -587,6 +594,26 @@ def _check_seconds(name: str, value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
         raise ValueError(f"{name} must be a positive number of seconds (or None for no limit), not {value!r}")
     return float(value)
+
+
+def _check_grace(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"grace must be a number of seconds, 0 or more (default {TERM_GRACE}), not {value!r}")
+    return float(value)
+
+
+def _check_flags(flags: object) -> list[str]:
+    if isinstance(flags, (str, bytes)):
+        raise TypeError(f"torchrun_args must be a list of flags, one string per flag, such as "
+                        f"{shlex.split(flags) if isinstance(flags, str) else ['--max-restarts=1']!r}, "
+                        f"not the single string {flags!r}")
+    if not isinstance(flags, Iterable):
+        raise TypeError(f"torchrun_args must be a list of flags such as ['--max-restarts=1'], not {flags!r}")
+    flags = list(flags)
+    bad = [f for f in flags if not isinstance(f, str)]
+    if bad:
+        raise TypeError(f"torchrun_args must hold strings such as '--max-restarts=1', not {bad!r}")
+    return flags
 
 
 def _check_backend(backend: str, nproc_per_node: int) -> None:

@@ -331,6 +331,12 @@ def test_torchrun_args_pass_through_for_restarts(script):
     ({"live": [3]}, ValueError, r"names rank\(s\) \[3\]"),
     ({"backend": "mpi"}, ValueError, "backend must be 'gloo', 'nccl'"),
     ({"cwd": "/no/such/folder"}, FileNotFoundError, "is not a folder"),
+    ({"torchrun_args": "--max-restarts=1"}, TypeError, r"a list of flags.*\['--max-restarts=1'\]"),
+    ({"torchrun_args": ["--max-restarts", 1]}, TypeError, "must hold strings"),
+    ({"grace": -1}, ValueError, "grace must be a number of seconds, 0 or more"),
+    ({"grace": float("inf")}, ValueError, "grace must be a number of seconds"),
+    ({"env": ["NCCL_DEBUG=INFO"]}, TypeError, "env must be a dict"),
+    ({"warm": "no"}, TypeError, "warm must be True or False"),
 ])
 def test_bad_input_fails_fast(script, kwargs, error, match):
     path = script(HELLO)
