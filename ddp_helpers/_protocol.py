@@ -21,12 +21,20 @@ and the thread kills its own process group. Agent 0 first removes the run folder
 
 Stack dumps: the launcher sends ``STACK_SIGNAL`` to a rank, whose ``faulthandler`` writes every
 thread's stack to the rank's stderr.
+
+Warm launches (``_warm``) talk over a Unix stream socket in **messages**: a 4-byte big-endian length, then
+that many bytes of JSON (``pack_message``; ``MessageReader`` reads them back, however the stream splits them).
+A launch sends one request (with three file descriptors) and receives ``{"pid": N}`` or ``{"error": ...}``,
+then ``{"exit": code}`` when the agent ends.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import struct
 
 # Environment variables the launcher sets for agents and workers.
 RUN_DIR = "DDP_HELPERS_RUN_DIR"  # the run folder
@@ -93,3 +101,46 @@ def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
     if remove:
         shutil.rmtree(remove, ignore_errors=True)
     os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+_HEADER = struct.Struct("!I")
+MAX_MESSAGE = 1 << 24  # a request is its argv and environment: far below this
+
+
+def pack_message(message: dict) -> bytes:
+    """One message of the warm socket: its length, then its JSON."""
+    payload = json.dumps(message).encode()
+    return _HEADER.pack(len(payload)) + payload
+
+
+class MessageReader:
+    """Messages from one stream socket: a read may end inside a message or hold several, so bytes wait here."""
+
+    def __init__(self, data: bytes = b""):
+        self._buffer = b""
+        self.messages: list[dict] = []
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buffer)
+            if size > MAX_MESSAGE:
+                raise ValueError(f"a message of {size} bytes is not one of ours")
+            if len(self._buffer) < _HEADER.size + size:
+                break
+            self.messages.append(json.loads(self._buffer[_HEADER.size:_HEADER.size + size]))
+            self._buffer = self._buffer[_HEADER.size + size:]
+
+    def receive(self, conn: socket.socket) -> None:
+        """One read from ``conn`` (call it when it is readable); EOFError when the other side has closed it."""
+        data = conn.recv(65536)
+        if not data:
+            raise EOFError("the other side closed the connection" + (" mid-message" if self._buffer else ""))
+        self.feed(data)
+
+    def next(self, conn: socket.socket) -> dict:
+        """The next message, reading ``conn`` (blocking) until one is complete."""
+        while not self.messages:
+            self.receive(conn)
+        return self.messages.pop(0)

@@ -17,12 +17,10 @@ This module does not import torch on the kernel's side; only ``serve()`` does, i
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -36,7 +34,6 @@ from ddp_helpers import _protocol as protocol
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_",
                         "LD_", "PYTHON")
 OWN = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # the same for every launch, or applied by each forked worker itself
-_HEADER = struct.Struct("!I")
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -70,18 +67,21 @@ class WarmProcess:
     def start_agent(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int]) -> WarmAgent:
         """Fork an agent running ``torch.distributed.run`` with ``argv``; ``fds``: its lifeline, stdout, stderr."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        reader = protocol.MessageReader()
         try:
             conn.connect(self.address)
-            payload = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
-            socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], list(fds))
-            reply = _read_message(conn)
+            socket.send_fds(conn, [protocol.pack_message({"argv": argv, "env": env, "cwd": cwd})], list(fds))
+            reply = reader.next(conn)
+        except EOFError:
+            conn.close()
+            raise RuntimeError("the warm launcher process closed the connection") from None
         except BaseException:
             conn.close()
             raise
         if "error" in reply:
             conn.close()
             raise RuntimeError(reply["error"])
-        return WarmAgent(reply["pid"], conn)
+        return WarmAgent(reply["pid"], conn, reader)  # the reader may already hold the exit message
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -99,9 +99,10 @@ class WarmProcess:
 class WarmAgent:
     """A forked agent, with the parts of ``subprocess.Popen`` the launcher uses (pid, poll, wait, returncode)."""
 
-    def __init__(self, pid: int, conn: socket.socket):
+    def __init__(self, pid: int, conn: socket.socket, reader: protocol.MessageReader):
         self.pid, self.conn, self.returncode = pid, conn, None
-        self._buffer = b""
+        self._reader = reader
+        self._take_exit()
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -121,21 +122,20 @@ class WarmAgent:
         ready, _, _ = select.select([self.conn], [], [], timeout)
         if not ready:
             return
-        data = self.conn.recv(4096)
-        if not data:  # the warm process is gone: the agent's exit code is lost with it
+        try:
+            self._reader.receive(self.conn)
+        except EOFError:  # the warm process is gone: the agent's exit code is lost with it
             self.returncode = -signal.SIGKILL
             self.conn.close()
             return
-        self._buffer += data
-        while len(self._buffer) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self._buffer)
-            if len(self._buffer) < _HEADER.size + size:
-                break
-            message = json.loads(self._buffer[_HEADER.size:_HEADER.size + size])
-            self._buffer = self._buffer[_HEADER.size + size:]
+        self._take_exit()
+
+    def _take_exit(self) -> None:
+        for message in self._reader.messages:
             if "exit" in message:
                 self.returncode = message["exit"]
                 self.conn.close()
+        self._reader.messages.clear()
 
 
 _lock = threading.Lock()
@@ -168,21 +168,9 @@ def shutdown() -> None:
             _process = None
 
 
-def _read_message(conn: socket.socket) -> dict:
-    data = b""
-    while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
-        chunk = conn.recv(65536)
-        if not chunk:
-            raise RuntimeError("the warm launcher process closed the connection")
-        data += chunk
-    (size,) = _HEADER.unpack_from(data)
-    return json.loads(data[_HEADER.size:_HEADER.size + size])
-
-
 def _send(conn: socket.socket, message: dict) -> None:
-    payload = json.dumps(message).encode()
     try:
-        conn.sendall(_HEADER.pack(len(payload)) + payload)
+        conn.sendall(protocol.pack_message(message))
     except OSError:
         pass  # the launcher stopped listening; the agent is reaped all the same
 
@@ -228,14 +216,22 @@ def _handle(conn: socket.socket, listener: socket.socket, agents: dict[int, sock
     """Read one request and fork its agent."""
     import torch
 
+    fds: list[int] = []
     try:
+        conn.settimeout(30)  # a client that stops mid-request must not hold the warm process
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        while len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
-            data += conn.recv(1 << 20)
-        request = json.loads(data[_HEADER.size:])
-    except (OSError, ValueError, struct.error) as e:
+        if not data:
+            raise EOFError("the launcher closed the connection before its request")
+        reader = protocol.MessageReader(data)
+        request = reader.next(conn)
+        conn.settimeout(None)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} file descriptors came with the request, not 3")
+    except (OSError, EOFError, ValueError) as e:  # socket.timeout is an OSError; bad JSON a ValueError
         _send(conn, {"error": f"bad request: {e}"})
         conn.close()
+        for fd in fds:
+            os.close(fd)
         return
     if torch.cuda.is_initialized():  # never true unless something touched CUDA here: forking would break it
         _send(conn, {"error": "CUDA is initialised in the warm process"})

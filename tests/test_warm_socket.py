@@ -1,0 +1,87 @@
+"""The warm socket's messages, both ends, without starting a warm process: split and joined reads, a client
+that leaves mid-request, a bad request. Each test fails on the code before the one message module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from ddp_helpers import _protocol as protocol
+from ddp_helpers import _warm
+
+
+def test_a_reader_takes_messages_however_the_stream_splits_them():
+    stream = protocol.pack_message({"pid": 7}) + protocol.pack_message({"exit": 0})
+    for cut in range(len(stream) + 1):
+        reader = protocol.MessageReader(stream[:cut])
+        reader.feed(stream[cut:])
+        assert reader.messages == [{"pid": 7}, {"exit": 0}], cut
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_an_exit_that_arrives_with_the_pid_is_not_lost(tmp_path):
+    """An agent that ends at once: the warm process may send its pid and its exit in one read."""
+    address = str(tmp_path / "warm.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+
+    def serve_one():
+        conn, _ = listener.accept()
+        _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(protocol.pack_message({"pid": 12345}) + protocol.pack_message({"exit": 3}))
+        conn.close()
+
+    server = threading.Thread(target=serve_one, daemon=True)
+    server.start()
+    process = _warm.WarmProcess.__new__(_warm.WarmProcess)  # its address only: no warm process is started
+    process.address = address
+    r, w = os.pipe()
+    try:
+        agent = process.start_agent(["--nproc-per-node=1", "x.py"], {}, str(tmp_path), (r, w, w))
+    finally:
+        os.close(r)
+        os.close(w)
+        server.join()
+        listener.close()
+    assert agent.pid == 12345
+    assert agent.poll() == 3, "the exit message came in the same read as the pid"
+
+
+@pytest.mark.parametrize("request_bytes", [
+    protocol.pack_message({"argv": [], "env": {}, "cwd": "/"})[:-5],  # the client leaves mid-message
+    b"\x00\x00\x00\x05{not",  # a whole message that is not JSON
+    b"\x00",  # not even a whole length
+])
+def test_a_bad_request_is_answered_and_leaks_nothing(request_bytes):
+    pytest.importorskip("torch")  # the warm process's side imports torch
+    server_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = os.pipe()
+    before = _open_fds()
+    socket.send_fds(client_end, [request_bytes], [r, w, w])
+    client_end.shutdown(socket.SHUT_WR)  # and then nothing more
+    agents: dict = {}
+    handler = threading.Thread(target=_warm._handle, args=(server_end, server_end, agents), daemon=True)
+    handler.start()
+    handler.join(timeout=120)  # a guard against the old endless loop, not a measure of speed
+    assert not handler.is_alive(), "the warm process kept spinning on a client that had left"
+    assert agents == {}, "no agent may be forked for a bad request"
+    reply = protocol.MessageReader()
+    while True:
+        try:
+            reply.receive(client_end)
+        except EOFError:
+            break
+    assert len(reply.messages) == 1 and reply.messages[0]["error"].startswith("bad request"), reply.messages
+    client_end.close()
+    os.close(r)
+    os.close(w)
+    assert _open_fds() <= before, "the descriptors that came with the request were left open"
