@@ -34,11 +34,17 @@ from ddp_helpers import _protocol as protocol
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_",
                         "LD_", "PYTHON")
 OWN = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # the same for every launch, or applied by each forked worker itself
+# Variables with those prefixes that torch reads only at run time, inside a function that a forked agent or
+# rank calls, so a warm launch honours them; each with the one torch source file that reads it (a test checks
+# that every read there is inside a function, and that no other file of torch names the variable).
+RUN_TIME = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "distributed/elastic/rendezvous/dynamic_rendezvous.py",  # 05's remedy
+}
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     """The variables of ``env`` that only take effect when torch is imported."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in OWN}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in OWN and k not in RUN_TIME}
 
 
 # ---- the kernel's side -------------------------------------------------------------------------------------

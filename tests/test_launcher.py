@@ -472,3 +472,32 @@ def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, c
     assert result.records() == [{"modules": False, "value": "INFO"}], result.records()  # a fresh process
     assert "env= sets TORCH_CPP_LOG_LEVEL, which torch reads when it is imported" in capsys.readouterr().out
     assert torchrun(path, live=False, timeout=120).records()[0]["modules"] is True  # warm: torch already there
+
+
+def test_a_run_time_variable_keeps_the_launch_warm(script, capsys):
+    """05's restart remedy is read by torch at run time: a launch that sets it stays warm and the rank sees it."""
+    path = script("""
+        import json, os, sys
+        print(json.dumps({"warm": "torch" in sys.modules, "value": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}))
+    """)
+    result = torchrun(path, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, live=False, timeout=120)
+    assert result.records() == [{"warm": True, "value": "1"}], result.records()
+    assert "reads when it is imported" not in capsys.readouterr().out
+
+
+def test_run_time_variables_are_read_only_inside_functions_of_torch():
+    """What makes a variable safe to change per warm launch: torch reads it in a function, never at import."""
+    import ast
+    import importlib.util
+
+    from ddp_helpers import _warm
+
+    torch_dir = Path(importlib.util.find_spec("torch").origin).parent
+    for name, source in _warm.RUN_TIME.items():
+        tree = ast.parse((torch_dir / source).read_text())
+        in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for n in ast.walk(f)}
+        reads = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == name]
+        assert reads and all(id(n) in in_functions for n in reads), f"{name}: read outside a function in {source}"
+        others = [p for p in torch_dir.rglob("*.py") if p != torch_dir / source and name in p.read_text(errors="ignore")]
+        assert not others, f"{name} is also named in {others}: check those reads too"
