@@ -1,17 +1,29 @@
-"""Notebook 08's template resumes on a device other than the CPU (issue 19).
+"""Notebook 08's template restores a checkpoint onto a model that is not on the CPU (issue 19).
 
-On GPUs, a checkpoint loaded with ``map_location=device`` puts the saved RNG states on the GPU, and every RNG
-setter (``torch.set_rng_state``, ``Generator.set_state``, ``torch.cuda.set_rng_state``) takes CPU ByteTensors
-only: the first resume after a crash died at start-up. No GPU is needed to see it: the ``meta`` device stands in
-for one here, as a device that the saved tensors can be sent to and that is not the CPU.
+What these tests prove, without a GPU: ``restore()`` loads the checkpoint onto the CPU, so that every RNG setter
+gets the CPU ByteTensor it requires (``torch.set_rng_state`` and ``Generator.set_state`` raise "RNG state must be
+a torch.ByteTensor" for any other tensor: ``check_rng_state`` in ``ATen/core/Generator.h``), while the optimizer's
+state follows the parameters to their device, and ``main()`` resumes through ``restore()``. The ``meta``
+device stands in for a GPU: a device that the saved tensors can be sent to and that is not the CPU.
+``torch.cuda.set_rng_state`` is replaced by a recorder, so the test sees what it would be given (a CPU
+ByteTensor) without any CUDA code: none of this has run on a GPU.
 
-The tests import the script's own ``checkpoint``, ``restore`` and ``rng_states``. ``DDP_TEMPLATE=PATH`` runs
-them against another copy of the script (an older commit's, say).
+Shown to fail, with ``DDP_TEMPLATE``: against a copy of the script whose ``restore()`` loads with the device as
+``map_location``, the meta-device test fails (``torch.set_rng_state`` raises "RNG state must be a
+torch.ByteTensor" on the meta tensor); against the script before the fix (commit 8f52f1c, whose ``main()`` loaded
+with ``map_location=device`` itself) every test fails, because ``restore`` did not exist (nor ``checkpoint``,
+which the three tests that build a file reach first). ``test_main_resumes_through_restore`` fails if ``main()``
+stops calling ``restore()``, or loads a file itself (shown with a copy whose ``main()`` does): the other tests call
+``restore()`` directly, and could not see it.
+
+The tests import the script's own ``checkpoint``, ``restore`` and ``rng_states``, and read ``main``'s source.
+``DDP_TEMPLATE=PATH`` runs them against another copy of the script (an older commit's, say).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import random
 import warnings
@@ -91,7 +103,7 @@ def test_resume_onto_another_device_restores_every_rng_stream(template, tmp_path
         start_epoch, history = template.restore(str(tmp_path / "last.pt"), model, optimizer, scheduler, scaler,
                                                 loader_generator, rank=0, world_size=1, device=device)
     assert (start_epoch, history) == (2, [{"epoch": 0}]), (start_epoch, history)
-    assert torch.equal(torch.get_rng_state(), states["torch"]), "the torch CPU stream (dropout) was not restored"
+    assert torch.equal(torch.get_rng_state(), states["torch"]), "the torch CPU stream was not restored"
     assert random.getstate() == states["python"], "Python's stream was not restored"
     assert torch.equal(loader_generator.get_state(), states["loader"]), "the DataLoader's generator was not restored"
     assert len(cuda_states) == 1 and cuda_states[0][1] == device, cuda_states
@@ -129,3 +141,10 @@ def test_resume_refuses_a_checkpoint_of_another_world_size(template, tmp_path, r
     message = str(refused.value)
     assert "saved by 2 ranks, this run has 1" in message and "Resume with 2 ranks" in message, message
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "refused, yet it loaded weights"
+
+
+def test_main_resumes_through_restore(template):
+    """The tests above call restore() directly: this one fails if main() stops using it, or loads a file itself."""
+    source = inspect.getsource(template.main)
+    assert "restore(" in source, "main() no longer resumes through restore()"
+    assert "torch.load(" not in source, "main() loads a checkpoint itself, bypassing restore()"

@@ -3,8 +3,10 @@
 Mixed precision, gradient clipping, a scaled learning rate with warm-up and cosine decay, gradient
 accumulation, augmentation that is reproducible under any number of workers, and a checkpoint that
 holds everything the next epoch depends on (RNG states of every rank included), so that a run
-restarted by `torchrun --max-restarts` ends exactly where an uninterrupted one does (on GPUs, with
-`--deterministic`). Runs with `python 08_train.py` or `torchrun --nproc-per-node=N 08_train.py`.
+restarted by `torchrun --max-restarts` ends exactly where an uninterrupted one does: proven on CPUs with
+gloo (notebook 08). On GPUs, `--deterministic` is what should make that hold too: reasoned from torch's
+source, not yet run on a GPU (benchmarks/gpu_check.py checks it where one is at hand).
+Runs with `python 08_train.py` or `torchrun --nproc-per-node=N 08_train.py`.
 """
 import argparse
 import contextlib
@@ -116,7 +118,8 @@ def gather(obj: object, ddp: bool) -> list:
 
 
 def rng_states(loader_generator: torch.Generator, device: torch.device) -> dict:
-    """What draws random numbers in this process: torch on the CPU (dropout), CUDA, Python, the DataLoader."""
+    """What draws random numbers in this process: torch's CPU stream and, on GPUs, the CUDA stream (dropout draws
+    from the generator of the device it runs on), Python's `random`, and the DataLoader's generator."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "loader": loader_generator.get_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
@@ -197,14 +200,16 @@ def main() -> None:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
                         help="bf16: autocast to bfloat16; fp16: float16 with a GradScaler (any device, slow on CPUs)")
-    parser.add_argument("--deterministic", action="store_true", help="deterministic kernels, for bit-identical reruns")
+    parser.add_argument("--deterministic", action="store_true", help="deterministic kernels: on GPUs, what should "
+                        "make reruns bit-identical (reasoned from torch's source, not yet run on a GPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--persistent-workers", action="store_true")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/last.pt if it exists")
     parser.add_argument("--crash-after-epoch", type=int, default=-1, help="the last rank fails (unless resumed past it)")
     parser.add_argument("--crash-at-step", type=int, default=-1, help="the last rank fails after this optimizer step, "
-                        "mid-epoch, in a run that did not resume")
+                        "mid-epoch, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0): a restarted "
+                        "attempt goes past it, even from no checkpoint (a step in epoch 0)")
     parser.add_argument("--init-seed-per-rank", action="store_true", help="demo: different initial weights per rank")
     parser.add_argument("--no-restore-rng", action="store_true", help="demo: resume without the RNG states")
     args = parser.parse_args()
@@ -257,6 +262,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[args.warmup_steps])
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range: no scaling
 
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's restarts so far (plain python: 0)
     start_epoch, history = 0, []
     if args.resume and os.path.exists(last):  # every rank reads the one file
         start_epoch, history = restore(last, model, optimizer, scheduler, scaler, loader_generator, rank, world_size,
@@ -266,7 +272,7 @@ def main() -> None:
                           "backend": dist.get_backend() if ddp else None, "amp": args.amp, "global_batch": global_batch,
                           "lr": lr, "steps_per_epoch": steps_per_epoch, "start_epoch": start_epoch,
                           "start_step": int(scheduler.last_epoch), "deterministic": args.deterministic,
-                          "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                          "attempt": attempt,
                           "init_checksums": init_checksums, "wrapped_checksums": wrapped_checksums}), flush=True)
 
     for epoch in range(start_epoch, args.num_epochs):
@@ -298,7 +304,8 @@ def main() -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()  # once per optimizer step, not per micro-batch
-            if scheduler.last_epoch == args.crash_at_step and start_epoch == 0 and rank == world_size - 1:
+            # The first attempt only: a crash in epoch 0 leaves no checkpoint, so the restart begins where this one did.
+            if scheduler.last_epoch == args.crash_at_step and attempt == 0 and rank == world_size - 1:
                 raise RuntimeError(f"simulated crash at optimizer step {args.crash_at_step}, in epoch {epoch}")
         record["optimizer_steps"] = int(scheduler.last_epoch)
         record["samples_per_s"] = seen * world_size / (time.perf_counter() - t0)  # training only, all ranks
