@@ -3,7 +3,6 @@ import argparse
 import gc
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -102,15 +101,23 @@ def main() -> None:
                       "loaded_device": str(next(iter(state.values())).device),
                       "before": before, "after": gather(checksum(fresh), device), "trained": trained}))
 
-    # 4. Without the barrier: rank 0 is slow to save (2 s here), rank 1 looks for the file at once.
+    # 4. Without the barrier nothing makes a reader wait for the writer. Every other rank looks for the file at once;
+    #    rank 0 saves only after each has told it so (a message standing in for a save slower than the look), so the
+    #    unlucky order happens in every run, not only on a busy machine.
     late_path = os.path.join(args.out, "late.pt")
     if rank == 0 and os.path.exists(late_path):
         os.remove(late_path)
-    dist.barrier()  # start the race from a clean folder
+    dist.barrier()  # start from a clean folder
+    looked = torch.zeros(1, device=device)
     if rank == 0:
-        time.sleep(2.0)
+        for reader in range(1, world_size):
+            dist.recv(looked, src=reader)
+            looked.item()  # an NCCL recv returns once it is queued on the GPU: .item() waits for the message
         save_atomically(ddp.module.state_dict(), late_path)
-    found_without_barrier = os.path.exists(late_path)
+        found_without_barrier = os.path.exists(late_path)
+    else:
+        found_without_barrier = os.path.exists(late_path)  # no barrier before this line: it runs at once
+        dist.send(looked, dst=0)  # "I have looked"
     dist.barrier()
     print(json.dumps({"rank": rank, "case": "race", "found_without_barrier": found_without_barrier,
                       "found_after_barrier": os.path.exists(late_path)}))
