@@ -1,6 +1,6 @@
 """Helpers for the ddp-notebooks series: run scripts under real torchrun from a notebook cell.
 
-Names are loaded on first use, so that the bootstrap each worker runs stays lean, and
+Names are loaded on first use, so that the worker wrapper each rank runs stays lean, and
 importing this package never imports torch (the launcher and command line do not need it).
 """
 
@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 _EXPORTS = {
     "torchrun": "ddp_helpers.launcher",
-    "TorchrunError": "ddp_helpers.launcher",
-    "TorchrunResult": "ddp_helpers.launcher",
+    "TorchrunError": "ddp_helpers.outcome",
+    "JobFailedError": "ddp_helpers.outcome",
+    "JobHungError": "ddp_helpers.outcome",
+    "TorchrunResult": "ddp_helpers.outcome",
     "describe_environment": "ddp_helpers.environment",
     "choose_backend": "ddp_helpers.environment",
     "series_folder": "ddp_helpers.environment",
@@ -24,7 +26,8 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from ddp_helpers.datasets import make_image_folder
     from ddp_helpers.environment import choose_backend, describe_environment, series_folder
-    from ddp_helpers.launcher import TorchrunError, TorchrunResult, torchrun
+    from ddp_helpers.launcher import torchrun
+    from ddp_helpers.outcome import JobFailedError, JobHungError, TorchrunError, TorchrunResult
 
 
 def __getattr__(name: str) -> object:

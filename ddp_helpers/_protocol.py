@@ -38,12 +38,11 @@ import struct
 
 # Environment variables the launcher sets for agents and workers.
 RUN_DIR = "DDP_HELPERS_RUN_DIR"  # the run folder
-RUN_ID = "DDP_HELPERS_RUN_ID"  # a short random id for the job (also torchrun's --rdzv-id with nnodes > 1)
 PARENT_PID = "DDP_HELPERS_PARENT_PID"  # the launching process; also how tests find leftover processes
 LIFELINE = "DDP_HELPERS_LIFELINE"  # the file descriptor of the lifeline pipe ("0": stdin)
 AGENT = "DDP_HELPERS_AGENT"  # the agent's index, 0 .. nnodes - 1
 WARM_OWNER = "DDP_HELPERS_WARM_OWNER"  # in a warm process's environment: the pid of the process it serves
-LAUNCH_VARIABLES = (RUN_DIR, RUN_ID, PARENT_PID, LIFELINE, AGENT, WARM_OWNER)
+LAUNCH_VARIABLES = (RUN_DIR, PARENT_PID, LIFELINE, AGENT, WARM_OWNER)
 WARM_MODULE = "ddp_helpers._warm"  # the warm process runs ``python -u -m ddp_helpers._warm SOCKET``
 
 STACK_SIGNAL = signal.SIGUSR1  # a rank dumps every thread's stack to its stderr when it receives this

@@ -1,11 +1,20 @@
-"""Turn what the ranks left behind (stderr, faulthandler stack dumps) into a short diagnosis."""
+"""Whom to blame: turn what the ranks left behind into the error a launch raises. Pure functions, no processes.
+
+The launcher gathers the evidence (each rank's ``RankRecord``: its status events, torch's failure record, its
+stack dump when the job hung) and calls ``failure_error`` or ``hang_error``; ``Watch`` decides when a running
+job counts as hung. Everything here is tested in milliseconds with made-up evidence (tests/test_diagnose.py).
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunResult
 
 _FRAME = re.compile(r'^\s+File "(?P<path>.+)", line (?P<line>\d+) in (?P<func>\S+)')
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):")
@@ -27,34 +36,211 @@ class Frame:
         return f"{os.path.basename(self.path)}:{self.line} in {self.func}"
 
 
-@dataclass
-class RankState:
-    """Where one rank was when the job timed out."""
+@dataclass(frozen=True)
+class RankRecord:
+    """Everything known about one rank's last attempt: what the worker wrapper wrote to its status file, torch's
+    failure record, and, when the job hung, whether its process still ran and its stack dump. The diagnosis
+    works on these records only, so every message below is built without a process."""
 
     rank: int
-    alive: bool
-    exitcode: int | None = None
-    frames: list[Frame] | None = None  # innermost first
-    script_frame: Frame | None = None
-    collective: str | None = None  # the torch.distributed call it waits in, if any
-    started: bool = True
+    started: bool = False  # the worker wrapper recorded the start of its script
+    script_exit: int | None = None  # the exit code the script itself ended with (None: it never ended)
+    raised: str | None = None  # the exception type, if the script raised
+    time: float = math.inf  # when it raised or ended (the wrapper's clock, else torch's whole-second timestamp)
+    exitcode: int | None = None  # how its process ended; None: unknown (stopped before anyone recorded it)
+    alive: bool = False  # (a hang) its process still ran when the hang was caught
+    stack: str | None = None  # (a hang) its faulthandler dump of every thread; None: none came back
 
-    def describe(self) -> str:
-        if not self.started:
-            return f"rank {self.rank} never started its script (still launching or importing)"
-        if not self.alive:
-            code = "unknown" if self.exitcode is None else self.exitcode
-            return f"rank {self.rank} had already exited (exit code {code}) while its peers waited for it"
-        where = self.script_frame.where() if self.script_frame else "an unknown place"
-        if self.exitcode is not None:
-            return (f"rank {self.rank} finished its script (exit code {self.exitcode}) but its process hangs "
-                    f"while shutting down (a collective in an atexit hook, a destructor, destroy_process_group)")
-        if self.frames is None:
-            return f"rank {self.rank}: no stack dump arrived (it may be stuck in C code holding the GIL)"
-        if self.collective:
-            return f"rank {self.rank} waits in torch.distributed `{self.collective}` called at {where}"
-        inner = self.frames[0].where() if self.frames else where
-        return f"rank {self.rank} is busy at {where} (innermost: {inner}), not in a collective"
+    @property
+    def failed(self) -> bool:
+        return self.exitcode not in (0, None)
+
+    @property
+    def stopped_by_torchrun(self) -> bool:
+        """Killed with SIGTERM without raising: torchrun stopping a healthy rank after another one failed."""
+        return self.raised is None and self.exitcode == -signal.SIGTERM
+
+
+def rank_record(rank: int, events: Sequence[Mapping], failure: Mapping | None = None, *, agents_ok: bool = False,
+                alive: bool = False, stack: str | None = None) -> RankRecord:
+    """One rank's record from its status events (``_protocol``: start, exception, exit) and torch's failure record
+    for it, if any. Only the last attempt counts: a restart begins with a new ``start``. The exit code is torch's
+    when it has one, else the script's own, else 0 when every agent succeeded (else unknown)."""
+    start = end = raised = None
+    for event in events:
+        if event["event"] == "start":
+            start, end, raised = event, None, None
+        elif event["event"] == "exit":
+            end = event
+        elif event["event"] == "exception":
+            raised = event
+    script_exit = end["code"] if end else None
+    if failure is not None:
+        exitcode = failure["exitcode"]
+    else:
+        exitcode = script_exit if end else (0 if agents_ok else None)
+    when = (raised or end or {}).get("time", (failure or {}).get("timestamp"))
+    return RankRecord(rank, started=start is not None, script_exit=script_exit,
+                      raised=raised["type"] if raised else None, time=math.inf if when is None else when,
+                      exitcode=exitcode, alive=alive, stack=stack)
+
+
+# ---- a failure: whom to blame -------------------------------------------------------------------------------
+
+
+def blame_order(record: RankRecord) -> tuple[bool, float, int]:
+    """Sort key for failed ranks: one that failed on its own before one torchrun stopped; then the earliest."""
+    return record.stopped_by_torchrun, record.time, record.rank
+
+
+def describe_exit(code: int | None) -> str:
+    name = signal_name(code)
+    return f"was killed by {name} (exit code {code})" if name else f"exited with code {code}"
+
+
+def describe_failure(record: RankRecord) -> str:
+    if record.raised is None:
+        return describe_exit(record.exitcode)
+    if record.exitcode == 1:
+        return f"raised {record.raised} (exit code 1)"
+    return f"raised {record.raised}, then {describe_exit(record.exitcode)} while shutting down"
+
+
+def failure_error(result: TorchrunResult, records: Mapping[int, RankRecord]) -> JobFailedError:
+    """The error for a job that failed: the rank to blame first, how it ended and its own last traceback."""
+    failed = sorted((r for r in records.values() if r.failed), key=blame_order)
+    if not failed:
+        tail = "\n".join(result.agent_output[-20:])
+        return JobFailedError(f"torchrun itself failed (exit code {result.returncode}) before any rank "
+                              f"reported an error. Its last lines:\n{tail}", result)
+    first, others = failed[0], sorted(failed[1:], key=lambda r: r.rank)
+    head = f"rank {first.rank} {describe_failure(first)}"
+    if others:
+        head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
+            f"rank {r.rank} {describe_failure(r)}" for r in others)
+    early = [r.rank for r in records.values() if r.exitcode == 0]
+    if early:
+        names = ", ".join(f"rank {r}" for r in early)
+        head += (f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
+                 f"that leaves early (say, skipping a collective) makes its peers fail or hang")
+    tb = last_traceback(result.stderr[first.rank])
+    body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
+    return JobFailedError(f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}", result,
+                          rank=first.rank, exitcode=first.exitcode)
+
+
+# ---- a hang: when, and whom to blame ----------------------------------------------------------------------------
+
+
+class Watch:
+    """When a running job counts as hung: its wall-clock ``timeout`` passed since ``start``, or every rank has
+    printed and then no rank printed anything for ``stall_timeout`` seconds. It is told the time, so a test can
+    be its clock."""
+
+    def __init__(self, start: float, timeout: float | None, stall_timeout: float | None):
+        self.deadline = None if timeout is None else start + timeout
+        self.timeout, self.stall_timeout = timeout, stall_timeout
+        self.last_line = start
+
+    def check(self, now: float, new_lines: bool, every_rank_printed: bool) -> Hang | None:
+        """Call it after each look at the ranks' output: ``new_lines`` if a rank wrote a line since the last call."""
+        if new_lines:
+            self.last_line = now
+        if self.deadline is not None and now > self.deadline:
+            return Hang("timeout", self.timeout)
+        if (self.stall_timeout is not None and every_rank_printed
+                and now - self.last_line > self.stall_timeout):
+            return Hang("stall", self.stall_timeout)
+        return None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a stack dump shows a rank: its main thread's frames (innermost first), the innermost frame in the
+    script, and the torch.distributed call it waits in, if any."""
+
+    frames: list[Frame]
+    script_frame: Frame | None = None
+    collective: str | None = None
+
+
+def place(dump: str, script: str) -> Place:
+    """Read a rank's stack dump: the thread running ``script`` (else the first), where in the script, which call."""
+    script = os.path.realpath(script)
+    threads = [t for t in parse_stack_dump(dump) if t and not all(_OWN in f.path for f in t)]
+    main = next((t for t in threads if any(os.path.realpath(f.path) == script for f in t)), None)
+    if main is None:
+        main = threads[0] if threads else []
+    for i, f in enumerate(main):
+        if os.path.realpath(f.path) == script:
+            inner = main[:i]
+            lib = [g for g in inner if _DIST in g.path or _NN_PARALLEL in g.path]
+            if lib:
+                c10d = [g for g in lib if g.path.endswith("distributed_c10d.py")]
+                return Place(main, f, (c10d[0] if c10d else lib[0]).func)
+            return Place(main, f, BACKWARD if any(_AUTOGRAD in g.path for g in inner) else None)
+    return Place(main)
+
+
+def _where(record: RankRecord, script: str) -> Place | None:
+    """The place of a rank whose process still ran and sent a dump; None for the others."""
+    return place(record.stack, script) if record.alive and record.stack is not None else None
+
+
+def describe_hung(record: RankRecord, script: str) -> str:
+    """One line on where a rank was when the job was caught hanging."""
+    r = record.rank
+    if not record.started:
+        return f"rank {r} never started its script (still launching or importing)"
+    if not record.alive:
+        code = "unknown" if record.script_exit is None else record.script_exit
+        return f"rank {r} had already exited (exit code {code}) while its peers waited for it"
+    if record.script_exit is not None:
+        return (f"rank {r} finished its script (exit code {record.script_exit}) but its process hangs "
+                f"while shutting down (a collective in an atexit hook, a destructor, destroy_process_group)")
+    found = _where(record, script)
+    if found is None:
+        return f"rank {r}: no stack dump arrived (it may be stuck in C code holding the GIL)"
+    where = found.script_frame.where() if found.script_frame else "an unknown place"
+    if found.collective:
+        return f"rank {r} waits in torch.distributed `{found.collective}` called at {where}"
+    inner = found.frames[0].where() if found.frames else where
+    return f"rank {r} is busy at {where} (innermost: {inner}), not in a collective"
+
+
+def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecord], str]:
+    """Pick the ranks that caused a hang, and say why in one line."""
+    places = {r.rank: _where(r, script) for r in records}
+    exited = [r for r in records if not r.alive or r.script_exit is not None]
+    rest = [r for r in records if r not in exited]
+    busy = [r for r in rest if places[r.rank] is not None and not places[r.rank].collective]
+    silent = [r for r in rest if places[r.rank] is None]
+    if exited or busy:
+        return exited + busy, "the stuck rank(s) never reached the collective their peers wait in"
+    if silent:
+        return silent, "no stack dump came back from these rank(s)"
+    spots = {(p.collective, p.script_frame.where() if p.script_frame else None) for p in places.values()}
+    if len(spots) > 1:
+        return list(records), "the ranks wait in different collectives or at different lines: a mismatch"
+    return list(records), ("every rank waits in the same collective: look for a peer outside this job or a "
+                           "network problem")
+
+
+def hang_error(result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str) -> JobHungError:
+    """The error for a hung job: the rank(s) that caused it, from their stack dumps, and where the others waited."""
+    stuck, why = culprits(records, script)
+    lines = [f"{hang}; stuck: " + ", ".join(f"rank {r.rank}" for r in stuck) + f" ({why})."]
+    lines += [f"  {describe_hung(r, script)}" for r in stuck]
+    waiting = [r for r in records if r not in stuck]
+    if waiting:
+        lines.append("Waiting for them:")
+        lines += [f"  {describe_hung(r, script)}" for r in waiting]
+    lines.append("Every rank was killed. Full stacks: .stacks on this error; logs: .result.")
+    stacks = {r.rank: r.stack or "" for r in records if r.alive}
+    return JobHungError("\n".join(lines), result, hang=hang, stuck_ranks=[r.rank for r in stuck], stacks=stacks)
+
+
+# ---- reading what the ranks wrote -------------------------------------------------------------------------------
 
 
 def parse_stack_dump(text: str) -> list[list[Frame]]:
@@ -68,46 +254,6 @@ def parse_stack_dump(text: str) -> list[list[Frame]]:
     return threads
 
 
-def rank_state(rank: int, dump: str | None, script: str, alive: bool, exitcode: int | None) -> RankState:
-    """Classify one rank from its stack dump: exited, waiting in a collective, or busy elsewhere."""
-    state = RankState(rank=rank, alive=alive, exitcode=exitcode)
-    if not alive or dump is None:
-        return state
-    script = os.path.realpath(script)
-    threads = [t for t in parse_stack_dump(dump) if t and not all(_OWN in f.path for f in t)]
-    main = next((t for t in threads if any(os.path.realpath(f.path) == script for f in t)), None)
-    if main is None:
-        main = threads[0] if threads else []
-    state.frames = main
-    for i, f in enumerate(main):
-        if os.path.realpath(f.path) == script:
-            state.script_frame = f
-            inner = main[:i]
-            lib = [g for g in inner if _DIST in g.path or _NN_PARALLEL in g.path]
-            if lib:
-                c10d = [g for g in lib if g.path.endswith("distributed_c10d.py")]
-                state.collective = (c10d[0] if c10d else lib[0]).func
-            elif any(_AUTOGRAD in g.path for g in inner):
-                state.collective = BACKWARD
-            break
-    return state
-
-
-def culprits(states: list[RankState]) -> tuple[list[RankState], str]:
-    """Pick the ranks that caused a hang, and say why in one line."""
-    exited = [s for s in states if not s.alive or s.exitcode is not None]
-    busy = [s for s in states if s.alive and s.exitcode is None and s.frames is not None and not s.collective]
-    silent = [s for s in states if s.alive and s.frames is None]
-    if exited or busy:
-        return exited + busy, "the stuck rank(s) never reached the collective their peers wait in"
-    if silent:
-        return silent, "no stack dump came back from these rank(s)"
-    places = {(s.collective, s.script_frame.where() if s.script_frame else None) for s in states}
-    if len(places) > 1:
-        return states, "the ranks wait in different collectives or at different lines: a mismatch"
-    return states, "every rank waits in the same collective: look for a peer outside this job or a network problem"
-
-
 def signal_name(exitcode: int | None) -> str | None:
     """'SIGKILL' for -9, None for a normal exit code."""
     if exitcode is None or exitcode >= 0:
@@ -119,7 +265,7 @@ def signal_name(exitcode: int | None) -> str | None:
 
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch prefixes an uncaught traceback's lines with it
-_BOOTSTRAP_FRAME = re.compile(r'^\s+File "(<frozen runpy>|.*ddp_helpers[/\\]_worker\.py)"')
+_WRAPPER_FRAME = re.compile(r'^\s+File "(<frozen runpy>|.*ddp_helpers[/\\]_worker\.py)"')
 
 
 def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
@@ -134,7 +280,7 @@ def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
     kept, skipping = [], False
     for line in block[:end]:
         if line.startswith("  File "):
-            skipping = bool(_BOOTSTRAP_FRAME.match(line))
+            skipping = bool(_WRAPPER_FRAME.match(line))
         elif not line.startswith("    "):
             skipping = False
         if not skipping:

@@ -1,4 +1,10 @@
-"""``torchrun(...)``: run a script under real torchrun from a notebook cell, stream every rank, raise on failure."""
+"""``torchrun(...)``: run a script under real torchrun from a notebook cell, stream every rank, raise on failure.
+
+This module holds the mechanics of one launch: check every argument (``_plan``), make the run folder and the
+lifeline, start the agents (cold, or forked by the warm process), follow each rank's files, catch a hang, stop
+and reap every process. Whom to blame is ``diagnose``'s; what a launch returns or raises is ``outcome``'s; how
+the processes talk is ``_protocol``'s.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +21,15 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TextIO
 
 from ddp_helpers import _protocol as protocol
 from ddp_helpers import _warm, diagnose
+from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunError, TorchrunResult
+
+__all__ = ["DEFAULT_TIMEOUT", "JobFailedError", "JobHungError", "TorchrunError", "TorchrunResult", "torchrun"]
 
 DEFAULT_TIMEOUT = 600.0  # wall-clock limit of a job unless the caller gives one (None: no limit)
 POLL_INTERVAL = 0.05  # how often output files and processes are checked: short enough to feel live
@@ -34,60 +43,6 @@ DUMP_WAIT = 30.0
 DUMP_SETTLE = 0.3  # a rank's dump counts as complete once its stderr has had no new line for this long
 REAP_WAIT = 5.0  # after SIGKILL, how long to wait for an agent process to be reaped
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@dataclass
-class TorchrunResult:
-    """What a torchrun job left: exit codes and every rank's output lines, by global rank."""
-
-    command: str  # the equivalent plain torchrun command, to run outside the notebook
-    returncode: int
-    duration: float
-    stdout: dict[int, list[str]]
-    stderr: dict[int, list[str]]
-    exitcodes: dict[int, int | None]
-    agent_output: list[str] = field(default_factory=list)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.stdout)
-
-    def records(self, rank: int | None = None) -> list[dict]:
-        """The JSON objects the ranks printed, one per line; all ranks in rank order, or one rank's.
-
-        After an elastic restart (``torchrun_args=["--max-restarts=N"]``) a rank's lines hold every
-        attempt in order, so records of the first attempt come before those of the restarted one.
-        """
-        ranks = sorted(self.stdout) if rank is None else [rank]
-        if rank is not None and rank not in self.stdout:
-            raise KeyError(f"no rank {rank} in this job; ranks are {sorted(self.stdout)}")
-        found = []
-        for r in ranks:
-            for line in self.stdout[r]:
-                text = line.strip()
-                if text.startswith("{") and text.endswith("}"):
-                    try:
-                        obj = json.loads(text)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict):
-                        found.append(obj)
-        return found
-
-
-class TorchrunError(RuntimeError):
-    """A torchrun job failed or timed out; the message says which rank and why, the logs stay on ``.result``."""
-
-    def __init__(self, message: str, result: TorchrunResult, *, rank: int | None = None,
-                 exitcode: int | None = None, timed_out: bool = False,
-                 stuck_ranks: Sequence[int] = (), stacks: Mapping[int, str] | None = None):
-        super().__init__(message)
-        self.result = result
-        self.rank = rank
-        self.exitcode = exitcode
-        self.timed_out = timed_out
-        self.stuck_ranks = list(stuck_ranks)
-        self.stacks = dict(stacks or {})
 
 
 def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, nnodes: int = 1,
@@ -115,13 +70,15 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
     - ``torchrun_args``: extra torchrun flags, e.g. ``["--max-restarts=1"]``.
     - ``show_agent``: also print torchrun's own log lines, prefixed ``[torchrun]``.
     - ``grace``: seconds between SIGTERM and SIGKILL when the job has to be stopped.
-    - ``warm``: fork torchrun's agent and the ranks from a process of this kernel's that has already
+    - ``warm``: fork torchrun's agent and the ranks from this kernel's warm process, which has already
       imported torch (started on first use), so a launch takes a fraction of a second instead of several;
       the flags, environment and records are torchrun's own. False runs a fresh ``torchrun`` process, as
       does any launch whose ``env=`` sets a variable torch reads when it is imported (a note says so).
 
     Returns a ``TorchrunResult`` (per-rank ``stdout``/``stderr`` lines, ``exitcodes``, ``records()``,
-    ``duration`` and the plain ``command``). No process outlives the call: not after a timeout, an
+    ``duration`` and the plain ``command``). Raises ``JobFailedError`` when a rank fails (``.rank`` names the
+    one to blame) and ``JobHungError`` when the job hangs (``.hang``: timeout or stall; ``.stuck_ranks``,
+    ``.stacks``); both are ``TorchrunError``. No process outlives the call: not after a timeout, an
     interrupt, or the death of the calling process.
 
     Example::
@@ -129,17 +86,18 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
         result = torchrun("scripts/00_hello.py", "--steps", "3", nproc_per_node=2, timeout=120)
         assert all(r["sum"] == 3 for r in result.records())
     """
-    job = _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd, live, backend,
-                torchrun_args, show_agent, grace, warm)
+    job = _plan(script=script, args=args, nproc_per_node=nproc_per_node, nnodes=nnodes, timeout=timeout,
+                stall_timeout=stall_timeout, env=env, cwd=cwd, live=live, backend=backend,
+                torchrun_args=torchrun_args, show_agent=show_agent, grace=grace, warm=warm)
     with _Launch(job) as launch:
-        hang = launch.wait()
-        stacks, attempts = (launch.dump_stacks(), launch.attempts()) if hang else ({}, {})  # as found, not as stopped
+        hang = launch.watch()
+        hung = launch.hung_ranks() if hang else []  # where every rank was, as found: before anything is stopped
         launch.stop()
-        result, ends = launch.collect()
-        if hang:
-            raise _hang_error(result, job, hang, stacks, attempts)
+        result, records = launch.collect()
+    if hang:
+        raise diagnose.hang_error(result, hang, hung, job.script_path)
     if result.returncode != 0:
-        raise _failure_error(result, ends)
+        raise diagnose.failure_error(result, records)
     return result
 
 
@@ -147,6 +105,7 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
 class _Job:
     """Everything a launch needs, checked and computed before any process starts."""
 
+    run_id: str  # a short random id: in the run folder's name, and torchrun's --rdzv-id with nnodes > 1
     script: str
     script_path: str
     cwd: str
@@ -162,8 +121,11 @@ class _Job:
     warm: bool
 
 
-def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd, live, backend,
-          torchrun_args, show_agent, grace, warm) -> _Job:
+def _plan(*, script: str | os.PathLike, args: Sequence[object] = (), nproc_per_node: int = 1, nnodes: int = 1,
+          timeout: float | None = DEFAULT_TIMEOUT, stall_timeout: float | None = None,
+          env: Mapping[str, object] | None = None, cwd: str | os.PathLike | None = None,
+          live: bool | Iterable[int] = True, backend: str | None = None, torchrun_args: Sequence[str] = (),
+          show_agent: bool = False, grace: float = TERM_GRACE, warm: bool = True) -> _Job:
     """Check every argument (bad input fails here, before any process starts) and build the commands."""
     nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
     nnodes = _check_count("nnodes", nnodes)
@@ -176,6 +138,8 @@ def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd
     for name, flag in (("show_agent", show_agent), ("warm", warm)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, not {flag!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
     run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(run_cwd):
         raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
@@ -192,64 +156,108 @@ def _plan(script, args, nproc_per_node, nnodes, timeout, stall_timeout, env, cwd
         warnings.warn(f"{world_size} ranks on {cores} CPU core(s): ranks will share cores, which is fine "
                       f"for learning but slow, and timings will not mean much.", stacklevel=3)
     extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+    import_time = _warm.import_time_env(extra_env)
+    warm_now = warm and not import_time
+    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", protocol.PARENT_PID: str(os.getpid()),
+                 protocol.LIFELINE: "0"}
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
     if backend is not None:
         _check_backend(backend, nproc_per_node)
-        extra_env["DDP_BACKEND"] = backend
+        child_env["DDP_BACKEND"] = backend
     elif "DDP_BACKEND" not in extra_env and not os.environ.get("DDP_BACKEND"):
         fallback = _one_gpu_fallback(nproc_per_node)
         if fallback:
-            extra_env["DDP_BACKEND"] = "gloo"
+            child_env["DDP_BACKEND"] = "gloo"
             _note_once(fallback)
 
     run_id = uuid.uuid4().hex[:12]
     node_args = _node_args(nnodes, run_id)
     script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
-    agent_argvs = [[*node, f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd] for node in node_args]
+    per_node = [f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd]
+    agent_argvs = [[*node, *per_node] for node in node_args]
     # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
     plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
              f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
-    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", protocol.RUN_ID: run_id,
-                 protocol.PARENT_PID: str(os.getpid()), protocol.LIFELINE: "0"}
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-    import_time = _warm.import_time_env(extra_env)
     if warm and import_time:
         print(f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is imported: "
               "this launch starts a fresh torchrun (warm=False)", flush=True)
-    return _Job(script, script_path, run_cwd, world_size, agent_argvs, shlex.join(plain), child_env, shown,
-                show_agent, timeout, stall_timeout, grace, warm and not import_time)
+    return _Job(run_id, script, script_path, run_cwd, world_size, agent_argvs, shlex.join(plain), child_env, shown,
+                show_agent, timeout, stall_timeout, grace, warm_now)
+
+
+def _check_backend(backend: str, nproc_per_node: int) -> None:
+    if backend == "nccl":
+        gpus = _gpu_count(sys.executable)
+        if gpus < nproc_per_node:
+            raise RuntimeError(
+                f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
+                f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
+                f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
+                f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
+
+
+def _gpu_count(python: str) -> int:
+    """How many GPUs torch sees, asked in a child process so that this process never imports torch."""
+    key = (python, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HIP_VISIBLE_DEVICES"))
+    if key not in _GPU_COUNTS:
+        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=120)
+        _GPU_COUNTS[key] = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    return _GPU_COUNTS[key]
+
+
+_GPU_COUNTS: dict[tuple, int] = {}  # asked once per kernel: the answer costs a torch import
+_NOTED: set[str] = set()
+
+
+def _may_have_gpus() -> bool:
+    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never pays
+    for asking torch."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
+                                           "/dev/dxg"))
+
+
+def _one_gpu_fallback(nproc_per_node: int) -> str | None:
+    """A note when a script left to choose would pick NCCL with fewer GPUs than ranks per node (one GPU, two
+    ranks: a Colab or laptop GPU): rank 1 would ask for a GPU that does not exist, so such a launch runs on gloo."""
+    gpus = _gpu_count(sys.executable) if _may_have_gpus() else 0
+    if not 0 < gpus < nproc_per_node:
+        return None
+    return (f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than that "
+            f"runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) per node.")
+
+
+def _warm_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment the warm process starts with: the launch's, less what differs per launch."""
+    return {k: v for k, v in env.items() if k not in (*protocol.LAUNCH_VARIABLES, "OMP_NUM_THREADS", "DDP_BACKEND")}
+
+
+def _warm_process(env: dict[str, str]) -> _warm.WarmProcess | None:
+    """This kernel's warm process, or None (with a note) where it cannot start: the launch then runs cold."""
+    try:
+        process, note = _warm.warm_process(env)
+    except (OSError, RuntimeError) as e:
+        print(f"ddp_helpers: no warm launch ({e}); starting a fresh torchrun", flush=True)
+        return None
+    if note:
+        print(f"ddp_helpers: {note}", flush=True)
+    return process
 
 
 class _Launch:
-    """One running job: its run folder, output streams, agents and lifeline. Leaving it cleans up everything."""
+    """One running job: its run folder, lifeline, ranks and agents. Leaving it stops and reaps every process."""
 
     def __init__(self, job: _Job):
         self.job = job
-        self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.env[protocol.RUN_ID]}_")
-        self.streams = {(kind, r): _Stream(protocol.rank_file(self.run_dir, r, kind), f"[rank {r}] ",
-                                           (sys.stdout if kind == "stdout" else sys.stderr) if r in job.live else None)
-                        for r in range(job.world_size) for kind in ("stdout", "stderr")}
-        tags = ["torchrun"] if len(job.agent_argvs) == 1 else [f"torchrun node {i}" for i in range(len(job.agent_argvs))]
-        self.agent_streams = [_Stream(protocol.agent_file(self.run_dir, i, kind), f"[{tag}] ",
-                                      (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None)
-                              for i, tag in enumerate(tags) for kind in ("stdout", "stderr")]
-        self.agents: list[subprocess.Popen] = []
-        self.lifeline_r, self.lifeline_w = os.pipe()
+        self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.run_id}_")
+        self.ranks = [_Rank(self.run_dir, r, r in job.live) for r in range(job.world_size)]
+        self.agents = _Agents(job, self.run_dir)
+        self.lifeline_r, self.lifeline_w = os.pipe()  # see _protocol: the agents and ranks die with its write end
         self.start = time.monotonic()
 
     def __enter__(self) -> _Launch:
         try:
-            warm = self._warm_process() if self.job.warm else None
-            for i, argv in enumerate(self.job.agent_argvs):
-                with open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out, \
-                        open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err:
-                    env = {**self.job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
-                    if warm is not None:
-                        agent = warm.start_agent(argv, env, self.job.cwd, (self.lifeline_r, out.fileno(), err.fileno()))
-                    else:
-                        agent = subprocess.Popen([sys.executable, "-m", "ddp_helpers._agent", *argv], cwd=self.job.cwd,
-                                                 env=env, stdin=self.lifeline_r, stdout=out, stderr=err,
-                                                 start_new_session=True)
-                    self.agents.append(agent)
+            self.agents.start(self.lifeline_r)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -257,63 +265,32 @@ class _Launch:
             os.close(self.lifeline_r)  # only the agents hold the read end now
         return self
 
-    def _warm_process(self) -> _warm.WarmProcess | None:
-        """This kernel's warm process, or None (with a note) where it cannot start: the launch then runs cold."""
-        server_env = {k: v for k, v in self.job.env.items()
-                      if k not in (*protocol.LAUNCH_VARIABLES, "OMP_NUM_THREADS", "DDP_BACKEND")}
-        try:
-            process, note = _warm.warm_process(server_env)
-        except (OSError, RuntimeError) as e:
-            print(f"ddp_helpers: no warm launch ({e}); starting a fresh torchrun", flush=True)
-            return None
-        if note:
-            print(f"ddp_helpers: {note}", flush=True)
-        return process
-
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         # Runs on success, failure, timeout and KeyboardInterrupt alike: nothing outlives the call.
         try:
             self.stop()
         finally:
             os.close(self.lifeline_w)  # every agent and worker still alive now kills its own group
-            for a in self.agents:
-                try:
-                    a.wait(timeout=REAP_WAIT)
-                except subprocess.TimeoutExpired:
-                    pass
+            self.agents.reap()
             _flush()
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
                 print(self._interrupted(), file=sys.stderr, flush=True)
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    def _interrupted(self) -> str:
-        """One line for an interrupted cell: were all ranks and agents really stopped?"""
-        end = time.monotonic() + REAP_WAIT  # killed processes may take a moment to be reaped
-        while (left := [a.pid for a in self.agents if a.poll() is None]
-               + [g for g in self._worker_groups() if _alive(g, group=True)]) and time.monotonic() < end:
-            time.sleep(POLL_INTERVAL)
-        if left:
-            return f"ddp_helpers: interrupted; still stopping process group(s) {left} (they die with their lifeline)"
-        return (f"ddp_helpers: interrupted; all {self.job.world_size} rank(s) and their torchrun agent(s) were "
-                "stopped, nothing is left running")
-
     def poll(self) -> bool:
         """Read what arrived from every rank and agent; True if a rank wrote a new line."""
-        ranks = any([s.poll() for s in self.streams.values()])  # a list: poll every stream, always
-        agents = any([s.poll() for s in self.agent_streams])
-        if ranks or agents:
+        ranks = any([r.poll() for r in self.ranks])  # a list: poll every rank, always
+        if self.agents.poll_logs() or ranks:
             _flush()
         return ranks
 
-    def wait(self) -> str | None:
-        """Stream output until every agent has exited; "timeout" or "stall" if the job hung first, else None."""
-        deadline = None if self.job.timeout is None else self.start + self.job.timeout
+    def watch(self) -> Hang | None:
+        """Stream output until every agent has exited; the ``Hang`` if the job hung first, else None."""
+        watch = diagnose.Watch(self.start, self.job.timeout, self.job.stall_timeout)
         first_failure = None
-        last_line = time.monotonic()
         while True:
-            if self.poll():
-                last_line = time.monotonic()
-            codes = [a.poll() for a in self.agents]
+            new_lines = self.poll()
+            codes = self.agents.poll()
             if all(c is not None for c in codes):
                 return None
             now = time.monotonic()
@@ -321,260 +298,257 @@ class _Launch:
                 first_failure = now  # one simulated node failed; give the others a moment to notice
             if first_failure is not None and now - first_failure > NODE_FAILURE_GRACE:
                 return None
-            if deadline is not None and now > deadline:
-                return "timeout"
-            if (self.job.stall_timeout is not None and now - last_line > self.job.stall_timeout
-                    and all(self.streams["stdout", r].lines or self.streams["stderr", r].lines
-                            for r in range(self.job.world_size))):
-                return "stall"
+            hang = watch.check(now, new_lines, all(r.printed for r in self.ranks))
+            if hang is not None:
+                return hang
             time.sleep(POLL_INTERVAL)
 
-    def dump_stacks(self) -> dict[int, str]:
-        """Ask every live rank for a faulthandler dump of all its threads, and collect what arrives."""
-        marks = {}
+    def hung_ranks(self) -> list[diagnose.RankRecord]:
+        """Every rank's record for a hang, with a faulthandler dump of all its threads from each live rank."""
         self.poll()
-        for r in range(self.job.world_size):
-            begin = _last_attempt(_read_status(self.run_dir, r)).start
-            if begin and _alive(begin["pid"]):  # also a rank whose script ended but whose process hangs on
-                marks[r] = len(self.streams["stderr", r].lines)
-                try:
-                    os.kill(begin["pid"], protocol.STACK_SIGNAL)
-                except ProcessLookupError:
-                    marks.pop(r)
-        stop = time.monotonic() + DUMP_WAIT
-        quiet_since = time.monotonic()
-        while marks and time.monotonic() < stop:
-            time.sleep(0.1)
-            if self.poll():
-                quiet_since = time.monotonic()
-            started = all(any("most recent call first" in line for line in self.streams["stderr", r].lines[m:])
-                          for r, m in marks.items())
-            if started and time.monotonic() - quiet_since > DUMP_SETTLE:
-                break
-        return {r: "\n".join(self.streams["stderr", r].lines[m:]) for r, m in marks.items()}
+        stacks = _dump_stacks(self.ranks, self.poll)
+        return [rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in self.ranks]
 
     def stop(self) -> None:
-        """SIGTERM every agent's and worker's process group, wait up to the grace period, then SIGKILL what is left."""
-        running = [a for a in self.agents if a.poll() is None]
-        workers = {g for g in self._worker_groups() if _alive(g, group=True)}  # a rank's children count too
+        """Stop every agent and every rank's process group (SIGTERM, the grace period, then SIGKILL)."""
+        self.agents.stop(self._worker_groups, self.job.grace)
+
+    def collect(self) -> tuple[TorchrunResult, dict[int, diagnose.RankRecord]]:
+        """The job's result, and each rank's record of how its last attempt ended."""
+        for rank in self.ranks:
+            rank.finish()
+        agent_output = self.agents.finish()
+        _flush()
+        failures, ok = self.agents.failures(), all(a.returncode == 0 for a in self.agents.procs)
+        records = {rank.rank: rank.record(failure=failures.get(rank.rank), agents_ok=ok) for rank in self.ranks}
+        result = TorchrunResult(
+            command=self.job.plain_command, returncode=self.agents.returncode(),
+            duration=time.monotonic() - self.start,
+            stdout={rank.rank: rank.stdout.lines for rank in self.ranks},
+            stderr={rank.rank: rank.stderr.lines for rank in self.ranks},
+            exitcodes={r: record.exitcode for r, record in records.items()}, agent_output=agent_output)
+        return result, records
+
+    def _worker_groups(self) -> set[int]:
+        return {g for rank in self.ranks for g in rank.groups()}
+
+    def _interrupted(self) -> str:
+        """One line for an interrupted cell: were all ranks and agents really stopped?"""
+        left = self.agents.left(self._worker_groups)
+        if left:
+            return f"ddp_helpers: interrupted; still stopping process group(s) {left} (they die with their lifeline)"
+        return (f"ddp_helpers: interrupted; all {self.job.world_size} rank(s) and their torchrun agent(s) were "
+                "stopped, nothing is left running")
+
+
+def _dump_stacks(ranks: Sequence[_Rank], poll: Callable[[], bool]) -> dict[int, str]:
+    """Signal every rank whose process is alive to dump its stacks, and collect what arrives, by rank (an empty
+    text where nothing came back). ``poll`` reads the ranks' new lines, True if there were any."""
+    marks = {}  # rank -> how many stderr lines it had before the signal
+    for rank in ranks:
+        pid = rank.pid()
+        if pid is not None and _alive(pid):  # also a rank whose script ended but whose process hangs on
+            marks[rank.rank] = len(rank.stderr.lines)
+            try:
+                os.kill(pid, protocol.STACK_SIGNAL)
+            except ProcessLookupError:
+                marks.pop(rank.rank)
+    stop = time.monotonic() + DUMP_WAIT
+    quiet_since = time.monotonic()
+    while marks and time.monotonic() < stop:
+        time.sleep(0.1)
+        if poll():
+            quiet_since = time.monotonic()
+        started = all(any("most recent call first" in line for line in ranks[r].stderr.lines[m:])
+                      for r, m in marks.items())
+        if started and time.monotonic() - quiet_since > DUMP_SETTLE:
+            break
+    return {r: "\n".join(ranks[r].stderr.lines[m:]) for r, m in marks.items()}
+
+
+class _Agents:
+    """A launch's torchrun agents, one per simulated node, each in a process group of its own: started cold
+    (``python -m ddp_helpers._agent``) or forked by the warm process; with their own logs and failure records."""
+
+    def __init__(self, job: _Job, run_dir: str):
+        self.job, self.run_dir = job, run_dir
+        count = len(job.agent_argvs)
+        tags = ["torchrun"] if count == 1 else [f"torchrun node {i}" for i in range(count)]
+        self.logs = [_Lines(protocol.agent_file(run_dir, i, kind), f"[{tag}] ",
+                            (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None)
+                     for i, tag in enumerate(tags) for kind in ("stdout", "stderr")]
+        self.procs: list[subprocess.Popen | _warm.WarmAgent] = []
+
+    def start(self, lifeline: int) -> None:
+        warm = _warm_process(_warm_env(self.job.env)) if self.job.warm else None
+        for i, argv in enumerate(self.job.agent_argvs):
+            with open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out, \
+                    open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err:
+                env = {**self.job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
+                if warm is not None:
+                    agent = warm.start_agent(argv, env, self.job.cwd, (lifeline, out.fileno(), err.fileno()))
+                else:
+                    agent = subprocess.Popen([sys.executable, "-m", "ddp_helpers._agent", *argv], cwd=self.job.cwd,
+                                             env=env, stdin=lifeline, stdout=out, stderr=err, start_new_session=True)
+                self.procs.append(agent)
+
+    def poll(self) -> list[int | None]:
+        """Each agent's exit code; None while it runs."""
+        return [a.poll() for a in self.procs]
+
+    def poll_logs(self) -> bool:
+        """Read (and show, with show_agent) the agents' new log lines; True if there were any."""
+        return any([bool(log.poll()) for log in self.logs])
+
+    def running(self) -> list:
+        return [a for a in self.procs if a.poll() is None]
+
+    def stop(self, worker_groups: Callable[[], set[int]], grace: float) -> None:
+        """SIGTERM every running agent's process group and every live worker group (``worker_groups()``: a rank's
+        children count too), wait up to ``grace`` seconds, then SIGKILL what is left."""
+        running = self.running()
+        workers = {g for g in worker_groups() if _alive(g, group=True)}
         if not running and not workers:
             return
         groups = {a.pid for a in running} | workers
         _signal_groups(groups, signal.SIGTERM)
-        end = time.monotonic() + self.job.grace
+        end = time.monotonic() + grace
         while time.monotonic() < end:
             if all(a.poll() is not None for a in running) and not any(_alive(g, group=True) for g in workers):
                 break
             time.sleep(POLL_INTERVAL)
-        _signal_groups(groups | self._worker_groups(), signal.SIGKILL)
-        for a in running:
+        _signal_groups(groups | worker_groups(), signal.SIGKILL)
+        self.reap(running)
+
+    def left(self, worker_groups: Callable[[], set[int]]) -> list[int]:
+        """The agents and worker groups still alive after being killed, waiting a moment for them to be reaped."""
+        end = time.monotonic() + REAP_WAIT
+        while (left := [a.pid for a in self.running()] + [g for g in worker_groups() if _alive(g, group=True)]) \
+                and time.monotonic() < end:
+            time.sleep(POLL_INTERVAL)
+        return left
+
+    def reap(self, agents: Sequence | None = None) -> None:
+        for a in self.procs if agents is None else agents:
             try:
                 a.wait(timeout=REAP_WAIT)
             except subprocess.TimeoutExpired:
                 pass
 
-    def attempts(self) -> dict[int, _Attempt]:
-        """Each rank's last attempt, as the shim recorded it."""
-        return {r: _last_attempt(_read_status(self.run_dir, r)) for r in range(self.job.world_size)}
+    def returncode(self) -> int:
+        """The first failed agent's exit code; SIGKILL's for an agent that could not be reaped; else 0."""
+        rc = next((a.returncode for a in self.procs if a.returncode not in (0, None)), 0)
+        return rc or (-signal.SIGKILL if any(a.returncode is None for a in self.procs) else 0)
 
-    def _worker_groups(self) -> set[int]:
-        return {e["pgid"] for r in range(self.job.world_size)
-                for e in _read_status(self.run_dir, r) if e["event"] == "start"}
+    def failures(self) -> dict[int, dict]:
+        """Torch's failure records of every agent, by global rank."""
+        failures: dict[int, dict] = {}
+        for i in range(len(self.procs)):
+            try:
+                with open(protocol.agent_file(self.run_dir, i, "failures"), encoding="utf-8") as f:
+                    failures.update({int(k): v for k, v in json.load(f).items()})
+            except (FileNotFoundError, ValueError):
+                pass
+        return failures
 
-    def collect(self) -> tuple[TorchrunResult, dict[int, RankEnd]]:
-        """The job's result, and how each rank's last attempt ended."""
-        for s in (*self.streams.values(), *self.agent_streams):
-            s.finish()
-        _flush()
-        ends = _rank_ends(self.run_dir, self.job.world_size, self.agents)
-        rc = next((a.returncode for a in self.agents if a.returncode not in (0, None)), 0)
-        if any(a.returncode is None for a in self.agents):
-            rc = rc or -signal.SIGKILL
-        w = range(self.job.world_size)
-        result = TorchrunResult(
-            command=self.job.plain_command, returncode=rc, duration=time.monotonic() - self.start,
-            stdout={r: self.streams["stdout", r].lines for r in w},
-            stderr={r: self.streams["stderr", r].lines for r in w},
-            exitcodes={r: ends[r].exitcode for r in w},
-            agent_output=[line for s in self.agent_streams for line in s.lines])
-        return result, ends
+    def finish(self) -> list[str]:
+        """Every agent's log lines, read to the end."""
+        for log in self.logs:
+            log.finish()
+        return [line for log in self.logs for line in log.lines]
 
 
-class _Stream:
-    """Follows one output file and turns what arrives into whole lines."""
+class _Rank:
+    """One rank's three files in the run folder, each read once as it grows: stdout and stderr (kept whole, shown
+    live as ``[rank N] ...``) and the worker wrapper's status file, parsed into events line by line."""
 
-    def __init__(self, path: str, prefix: str, out: TextIO | None):
-        self.path, self.prefix, self.out = path, prefix, out
-        self.lines: list[str] = []
-        self._partial, self._file = b"", None
+    def __init__(self, run_dir: str, rank: int, live: bool):
+        self.rank = rank
+        prefix = f"[rank {rank}] "
+        self.stdout = _Lines(protocol.rank_file(run_dir, rank, "stdout"), prefix, sys.stdout if live else None)
+        self.stderr = _Lines(protocol.rank_file(run_dir, rank, "stderr"), prefix, sys.stderr if live else None)
+        self._status = _Lines(protocol.rank_file(run_dir, rank, "status"))
+        self.events: list[dict] = []  # the status file's events so far (_protocol: start, exception, exit)
 
     def poll(self) -> bool:
+        """Read what arrived; True if the rank wrote a new line of output."""
+        self._parse(self._status.poll())
+        out, err = self.stdout.poll(), self.stderr.poll()
+        return bool(out or err)
+
+    def finish(self) -> None:
+        self._parse(self._status.finish())
+        self.stdout.finish()
+        self.stderr.finish()
+
+    @property
+    def printed(self) -> bool:
+        return bool(self.stdout.lines or self.stderr.lines)
+
+    def pid(self) -> int | None:
+        """The process of the rank's last attempt; None if none has started."""
+        starts = [e for e in self.events if e["event"] == "start"]
+        return starts[-1]["pid"] if starts else None
+
+    def groups(self) -> set[int]:
+        """The process group of every attempt so far (a rank's own children, say DataLoader workers, are in it)."""
+        self._parse(self._status.poll())
+        return {e["pgid"] for e in self.events if e["event"] == "start"}
+
+    def record(self, **evidence: object) -> diagnose.RankRecord:
+        return diagnose.rank_record(self.rank, self.events, **evidence)
+
+    def _parse(self, lines: list[str]) -> None:
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line cut short: its process was killed while writing it
+                continue
+            if isinstance(event, dict) and "event" in event:
+                self.events.append(event)
+
+
+class _Lines:
+    """Follows one file as it grows and turns what arrives into whole lines, echoed to ``out`` with ``prefix``."""
+
+    def __init__(self, path: str, prefix: str = "", out: TextIO | None = None):
+        self.path, self.prefix, self.out = path, prefix, out
+        self.lines: list[str] = []
+        self._partial, self._file, self._done = b"", None, False
+
+    def poll(self) -> list[str]:
+        """The lines completed since the last call."""
         if self._file is None:
+            if self._done:
+                return []
             try:
                 self._file = open(self.path, "rb")
             except FileNotFoundError:
-                return False
+                return []
         data = self._file.read()
         if not data:
-            return False
+            return []
         *complete, self._partial = (self._partial + data).split(b"\n")
-        self._emit(complete)
-        return bool(complete)
+        return self._emit(complete)
 
-    def finish(self) -> None:
-        self.poll()
+    def finish(self) -> list[str]:
+        """The last lines, a final one without its newline included; the file is closed after."""
+        new = self.poll()
         if self._partial:
-            self._emit([self._partial])
+            new += self._emit([self._partial])
             self._partial = b""
         if self._file is not None:
             self._file.close()
+            self._file = None
+        self._done = True
+        return new
 
-    def _emit(self, raw: list[bytes]) -> None:
+    def _emit(self, raw: list[bytes]) -> list[str]:
         new = [b.decode("utf-8", errors="replace").removesuffix("\r") for b in raw]
         self.lines.extend(new)
         if self.out is not None and new:
             self.out.write("".join(f"{self.prefix}{line}\n" for line in new))
-
-
-# ---- how each rank ended, and whom to blame -------------------------------------------------------------
-
-
-@dataclass
-class _Attempt:
-    """A rank's events from the shim's status file, for its last attempt only."""
-
-    start: dict | None = None
-    end: dict | None = None  # the "exit" event
-    raised: dict | None = None  # the "exception" event
-
-
-@dataclass
-class RankEnd:
-    """How one rank's last attempt ended, merged from torch's failure record and the shim's status file."""
-
-    rank: int
-    exitcode: int | None  # None: unknown (the job was stopped before torch or the shim recorded one)
-    raised: str | None = None  # the exception type, if the script raised
-    time: float = math.inf  # when it raised or exited (the shim's clock, else torch's whole-second timestamp)
-
-    @property
-    def failed(self) -> bool:
-        return self.exitcode not in (0, None)
-
-    @property
-    def stopped_by_torchrun(self) -> bool:
-        """Killed with SIGTERM without raising: torchrun stopping a healthy rank after another one failed."""
-        return self.raised is None and self.exitcode == -signal.SIGTERM
-
-
-def blame_order(end: RankEnd) -> tuple[bool, float, int]:
-    """Sort key for failed ranks: one that failed on its own before one torchrun stopped; then the earliest."""
-    return end.stopped_by_torchrun, end.time, end.rank
-
-
-def _read_status(run_dir: str, rank: int) -> list[dict]:
-    try:
-        with open(protocol.rank_file(run_dir, rank, "status"), encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def _last_attempt(events: list[dict]) -> _Attempt:
-    """A rank's last 'start' event, and the 'exit' and 'exception' events that followed it, if any."""
-    attempt = _Attempt()
-    for e in events:
-        if e["event"] == "start":
-            attempt = _Attempt(start=e)
-        elif e["event"] == "exit":
-            attempt.end = e
-        elif e["event"] == "exception":
-            attempt.raised = e
-    return attempt
-
-
-def _rank_ends(run_dir: str, world_size: int, agents: Sequence[subprocess.Popen]) -> dict[int, RankEnd]:
-    """Each rank's exit code (torch's failure record first, else the shim's) and, for failures, how and when."""
-    failures: dict[int, dict] = {}
-    for i in range(len(agents)):
-        try:
-            with open(protocol.agent_file(run_dir, i, "failures"), encoding="utf-8") as f:
-                failures.update({int(k): v for k, v in json.load(f).items()})
-        except (FileNotFoundError, ValueError):
-            pass
-    all_ok = all(a.returncode == 0 for a in agents)
-    ends = {}
-    for r in range(world_size):
-        attempt = _last_attempt(_read_status(run_dir, r))
-        if r in failures:
-            code = failures[r]["exitcode"]
-        elif attempt.end is not None:
-            code = attempt.end["code"]
-        else:
-            code = 0 if all_ok else None
-        when = (attempt.raised or attempt.end or {}).get("time", failures.get(r, {}).get("timestamp"))
-        ends[r] = RankEnd(r, code, attempt.raised["type"] if attempt.raised else None,
-                          math.inf if when is None else when)
-    return ends
-
-
-def _describe_exit(code: int | None) -> str:
-    name = diagnose.signal_name(code)
-    return f"was killed by {name} (exit code {code})" if name else f"exited with code {code}"
-
-
-def _describe_failure(end: RankEnd) -> str:
-    if end.raised is None:
-        return _describe_exit(end.exitcode)
-    if end.exitcode == 1:
-        return f"raised {end.raised} (exit code 1)"
-    return f"raised {end.raised}, then {_describe_exit(end.exitcode)} while shutting down"
-
-
-def _failure_error(result: TorchrunResult, ends: Mapping[int, RankEnd]) -> TorchrunError:
-    failed = sorted((e for e in ends.values() if e.failed), key=blame_order)
-    if not failed:
-        tail = "\n".join(result.agent_output[-20:])
-        return TorchrunError(f"torchrun itself failed (exit code {result.returncode}) before any rank "
-                             f"reported an error. Its last lines:\n{tail}", result)
-    first, others = failed[0], sorted(failed[1:], key=lambda e: e.rank)
-    head = f"rank {first.rank} {_describe_failure(first)}"
-    if others:
-        head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
-            f"rank {e.rank} {_describe_failure(e)}" for e in others)
-    early = [e.rank for e in ends.values() if e.exitcode == 0]
-    if early:
-        names = ", ".join(f"rank {r}" for r in early)
-        head += (f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
-                 f"that leaves early (say, skipping a collective) makes its peers fail or hang")
-    tb = diagnose.last_traceback(result.stderr[first.rank])
-    body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
-    return TorchrunError(f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}", result,
-                         rank=first.rank, exitcode=first.exitcode)
-
-
-def _hang_error(result: TorchrunResult, job: _Job, hang: str, stacks: Mapping[int, str],
-                attempts: Mapping[int, _Attempt]) -> TorchrunError:
-    """Name the rank(s) that caused a hang (timeout or stall), from their stack dumps."""
-    states = []
-    for r in range(job.world_size):
-        attempt = attempts[r]
-        state = diagnose.rank_state(r, stacks.get(r) or None, job.script_path, r in stacks,
-                                    attempt.end["code"] if attempt.end else None)
-        state.started = attempt.start is not None
-        states.append(state)
-    stuck, why = diagnose.culprits(states)
-    when = (f"timed out after {job.timeout:g} s" if hang == "timeout" else
-            f"stalled: every rank had printed, then none printed anything for {job.stall_timeout:g} s")
-    lines = [f"{when}; stuck: " + ", ".join(f"rank {s.rank}" for s in stuck) + f" ({why})."]
-    lines += [f"  {s.describe()}" for s in stuck]
-    waiting = [s for s in states if s not in stuck]
-    if waiting:
-        lines.append("Waiting for them:")
-        lines += [f"  {s.describe()}" for s in waiting]
-    lines.append("Every rank was killed. Full stacks: .stacks on this error; logs: .result.")
-    return TorchrunError("\n".join(lines), result, timed_out=True, stuck_ranks=[s.rank for s in stuck],
-                         stacks=stacks)
+        return new
 
 
 # ---- small helpers ------------------------------------------------------------------------------------------
@@ -616,54 +590,10 @@ def _check_flags(flags: object) -> list[str]:
     return flags
 
 
-def _check_backend(backend: str, nproc_per_node: int) -> None:
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
-    if backend == "nccl":
-        gpus = _gpu_count(sys.executable)
-        if gpus < nproc_per_node:
-            raise RuntimeError(
-                f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
-                f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
-                f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
-                f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _gpu_count(python: str) -> int:
-    """How many GPUs torch sees, asked in a child process so that this process never imports torch."""
-    key = (python, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HIP_VISIBLE_DEVICES"))
-    if key not in _GPU_COUNTS:
-        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"],
-                             capture_output=True, text=True, timeout=120)
-        _GPU_COUNTS[key] = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
-    return _GPU_COUNTS[key]
-
-
-_GPU_COUNTS: dict[tuple, int] = {}  # asked once per kernel: the answer costs a torch import
-_NOTED: set[str] = set()
-
-
-def _may_have_gpus() -> bool:
-    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never pays
-    for asking torch."""
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
-                                           "/dev/dxg"))
-
-
-def _one_gpu_fallback(nproc_per_node: int) -> str | None:
-    """A note when a script left to choose would pick NCCL with fewer GPUs than ranks per node (one GPU, two
-    ranks: a Colab or laptop GPU): rank 1 would ask for a GPU that does not exist, so such a launch runs on gloo."""
-    gpus = _gpu_count(sys.executable) if _may_have_gpus() else 0
-    if not 0 < gpus < nproc_per_node:
-        return None
-    return (f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than that "
-            f"runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) per node.")
 
 
 def _note_once(note: str) -> None:

@@ -1,9 +1,18 @@
-"""Pure-function tests of the hang and failure diagnosis (no processes started)."""
+"""Pure-function tests of whom to blame, and of when a job counts as hung: made-up evidence, no processes.
+
+These carry the wording of every failure and hang message; the end-to-end tests in test_launcher.py check that
+real jobs produce the evidence (status events, torch's failure records, stack dumps) these functions read.
+"""
+
+import math
+import signal
 
 from ddp_helpers import diagnose
+from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunError, TorchrunResult
 
+SCRIPT = "/work/train.py"
 DUMP = """Thread 0x00007f0000000001 (most recent call first):
-  File "/site/ddp_helpers/_worker.py", line 42 in _die_with_parent
+  File "/site/ddp_helpers/_protocol.py", line 42 in _die_with_parent
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 Current thread 0x00007f0000000002 (most recent call first):
@@ -19,23 +28,6 @@ BUSY = """Current thread 0x00007f0000000002 (most recent call first):
   File "/work/train.py", line 30 in <module>
 """
 
-
-def test_parse_stack_dump_splits_threads_innermost_first():
-    threads = diagnose.parse_stack_dump(DUMP.format(collective="all_reduce", line=17))
-    assert len(threads) == 2
-    assert threads[1][0].func == "all_reduce" and threads[1][2].line == 17
-
-
-def test_rank_state_waiting_busy_exited():
-    waiting = diagnose.rank_state(0, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
-    assert waiting.collective == "barrier" and waiting.script_frame.line == 12
-    assert "waits in torch.distributed `barrier` called at train.py:12" in waiting.describe()
-    busy = diagnose.rank_state(1, BUSY, "/work/train.py", True, None)
-    assert busy.collective is None and "busy at train.py:15 in main" in busy.describe()
-    gone = diagnose.rank_state(2, None, "/work/train.py", False, 0)
-    assert "had already exited (exit code 0)" in gone.describe()
-
-
 BACKWARD = """Current thread 0x00007f0000000002 (most recent call first):
   File "/site/torch/autograd/graph.py", line 841 in _engine_run_backward
   File "/site/torch/autograd/__init__.py", line 354 in backward
@@ -44,34 +36,151 @@ BACKWARD = """Current thread 0x00007f0000000002 (most recent call first):
 """
 
 
+def hung(rank: int, stack: str | None = None, *, alive: bool = True, started: bool = True,
+         script_exit: int | None = None) -> diagnose.RankRecord:
+    """A rank's record as the launcher makes it when a job hangs."""
+    return diagnose.RankRecord(rank, started=started, alive=alive, stack=stack, script_exit=script_exit)
+
+
+def waiting(rank: int, collective: str = "barrier", line: int = 12) -> diagnose.RankRecord:
+    return hung(rank, DUMP.format(collective=collective, line=line))
+
+
+def result(world_size: int = 2, stderr: dict | None = None, returncode: int = 1) -> TorchrunResult:
+    lines = {r: [] for r in range(world_size)}
+    return TorchrunResult("torchrun x.py", returncode, 1.0, dict(lines), {**lines, **(stderr or {})},
+                          dict.fromkeys(lines), ["torchrun: its last line"])
+
+
+def test_parse_stack_dump_splits_threads_innermost_first():
+    threads = diagnose.parse_stack_dump(DUMP.format(collective="all_reduce", line=17))
+    assert len(threads) == 2
+    assert threads[1][0].func == "all_reduce" and threads[1][2].line == 17
+
+
+def test_where_a_hung_rank_was():
+    assert "waits in torch.distributed `barrier` called at train.py:12" in diagnose.describe_hung(waiting(0), SCRIPT)
+    assert diagnose.place(DUMP.format(collective="barrier", line=12), SCRIPT).script_frame.line == 12
+    assert "rank 1 is busy at train.py:15 in main" in diagnose.describe_hung(hung(1, BUSY), SCRIPT)
+    gone = hung(2, alive=False, script_exit=0)
+    assert "rank 2 had already exited (exit code 0) while its peers waited" in diagnose.describe_hung(gone, SCRIPT)
+    assert "(exit code unknown)" in diagnose.describe_hung(hung(2, alive=False), SCRIPT)
+    assert "never started its script" in diagnose.describe_hung(hung(3, alive=False, started=False), SCRIPT)
+    assert "no stack dump arrived" in diagnose.describe_hung(hung(4), SCRIPT)
+
+
 def test_a_rank_blocked_in_backward_waits_for_ddp():
-    state = diagnose.rank_state(0, BACKWARD, "/work/train.py", True, None)
-    assert state.collective == diagnose.BACKWARD
-    other = diagnose.rank_state(1, DUMP.format(collective="all_gather", line=30), "/work/train.py", True, None)
-    stuck, why = diagnose.culprits([state, other])
-    assert [s.rank for s in stuck] == [0, 1] and "different collectives" in why
+    state = hung(0, BACKWARD)
+    assert diagnose.place(BACKWARD, SCRIPT).collective == diagnose.BACKWARD
+    stuck, why = diagnose.culprits([state, waiting(1, "all_gather", 30)], SCRIPT)
+    assert [r.rank for r in stuck] == [0, 1] and "different collectives" in why
 
 
 def test_a_rank_hanging_after_its_script_ended_is_a_culprit():
-    shutting = diagnose.rank_state(1, BUSY, "/work/train.py", True, 1)
-    assert "finished its script (exit code 1) but its process hangs" in shutting.describe()
-    wait = diagnose.rank_state(0, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
-    assert diagnose.culprits([wait, shutting])[0] == [shutting]
+    shutting = hung(1, BUSY, script_exit=1)
+    assert "finished its script (exit code 1) but its process hangs" in diagnose.describe_hung(shutting, SCRIPT)
+    assert diagnose.culprits([waiting(0), shutting], SCRIPT)[0] == [shutting]
 
 
 def test_culprits():
-    wait = diagnose.rank_state(0, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
-    busy = diagnose.rank_state(1, BUSY, "/work/train.py", True, None)
-    gone = diagnose.rank_state(2, None, "/work/train.py", False, 0)
-    assert [s.rank for s in diagnose.culprits([wait, busy])[0]] == [1]
-    assert [s.rank for s in diagnose.culprits([wait, gone])[0]] == [2]
-    other = diagnose.rank_state(1, DUMP.format(collective="all_reduce", line=17), "/work/train.py", True, None)
-    stuck, why = diagnose.culprits([wait, other])
-    assert [s.rank for s in stuck] == [0, 1] and "different collectives" in why
-    same = diagnose.rank_state(1, DUMP.format(collective="barrier", line=12), "/work/train.py", True, None)
-    assert "same collective" in diagnose.culprits([wait, same])[1]
-    silent = diagnose.rank_state(1, None, "/work/train.py", True, None)
-    assert diagnose.culprits([wait, silent])[0] == [silent]
+    wait, busy, gone = waiting(0), hung(1, BUSY), hung(2, alive=False, script_exit=0)
+    assert [r.rank for r in diagnose.culprits([wait, busy], SCRIPT)[0]] == [1]
+    assert [r.rank for r in diagnose.culprits([wait, gone], SCRIPT)[0]] == [2]
+    stuck, why = diagnose.culprits([wait, waiting(1, "all_reduce", 17)], SCRIPT)
+    assert [r.rank for r in stuck] == [0, 1] and "different collectives" in why
+    assert "same collective" in diagnose.culprits([wait, waiting(1)], SCRIPT)[1]
+    silent = hung(1)
+    assert diagnose.culprits([wait, silent], SCRIPT)[0] == [silent]
+
+
+def test_the_hang_message_names_the_culprit_first_then_who_waits():
+    """What test_launcher's hang tests used to read off real jobs: the wording, for a timeout and a stall."""
+    records = [waiting(0, "all_reduce", 9), hung(1, BUSY)]
+    err = diagnose.hang_error(result(), Hang("timeout", 12), records, SCRIPT)
+    assert isinstance(err, JobHungError) and isinstance(err, TorchrunError) and isinstance(err, RuntimeError)
+    lines = str(err).splitlines()
+    assert lines[0] == "timed out after 12 s; stuck: rank 1 (the stuck rank(s) never reached the collective " \
+                       "their peers wait in).", lines
+    assert lines[1].startswith("  rank 1 is busy at train.py:15 in main") and lines[2] == "Waiting for them:"
+    assert lines[3] == "  rank 0 waits in torch.distributed `all_reduce` called at train.py:9 in main", lines
+    assert lines[-1] == "Every rank was killed. Full stacks: .stacks on this error; logs: .result."
+    assert err.stuck_ranks == [1] and err.hang == Hang("timeout", 12) and err.timed_out
+    assert err.stacks == {0: records[0].stack, 1: BUSY} and err.rank is None and err.exitcode is None
+    stall = diagnose.hang_error(result(), Hang("stall", 2), records, SCRIPT)
+    assert str(stall).startswith("stalled: every rank had printed, then none printed anything for 2 s; stuck: rank 1")
+    assert stall.hang.kind == "stall" and stall.hang.seconds == 2 and stall.timed_out  # see outcome.timed_out
+    gone = diagnose.hang_error(result(), Hang("timeout", 5), [waiting(0), hung(1, "", alive=True)], SCRIPT)
+    assert gone.stacks == {0: waiting(0).stack, 1: ""}, "a live rank that sent nothing still has its (empty) entry"
+
+
+def test_a_record_merges_torchs_failure_record_with_the_status_file():
+    start = {"event": "start", "pid": 10, "pgid": 10, "time": 1.0}
+    raised = {"event": "exception", "type": "ValueError", "time": 2.5}
+    ended = {"event": "exit", "code": 1, "time": 2.6}
+    record = diagnose.rank_record(1, [start, raised, ended], {"exitcode": 1, "timestamp": 2})
+    assert (record.exitcode, record.raised, record.time, record.script_exit) == (1, "ValueError", 2.5, 1)
+    assert record.failed and not record.stopped_by_torchrun
+    killed = diagnose.rank_record(1, [start], {"exitcode": -9, "timestamp": 7})  # SIGKILL: no exit event
+    assert (killed.exitcode, killed.time, killed.script_exit) == (-9, 7, None) and killed.started
+    stopped = diagnose.rank_record(0, [start], None, agents_ok=False)
+    assert stopped.exitcode is None and not stopped.failed and stopped.time == math.inf
+    assert diagnose.rank_record(0, [start], None, agents_ok=True).exitcode == 0
+    restarted = diagnose.rank_record(1, [start, raised, ended, {**start, "pid": 11}, {"event": "exit", "code": 0}])
+    assert restarted.raised is None and restarted.exitcode == 0, "only the last attempt counts"
+    assert not diagnose.rank_record(2, []).started
+
+
+def _failed(rank: int, exitcode: int, raised: str | None = None, time: float = 1.0) -> diagnose.RankRecord:
+    return diagnose.RankRecord(rank, started=True, exitcode=exitcode, raised=raised, time=time)
+
+
+TRACEBACK = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "/work/train.py", line 7, in load_batch',
+             '[rank1]:     raise ValueError("bad batch on purpose")', "[rank1]: ValueError: bad batch on purpose"]
+
+
+def test_the_failure_message_names_the_first_failing_rank_and_its_traceback():
+    records = {0: _failed(0, -signal.SIGTERM, time=3.0), 1: _failed(1, 1, "ValueError", time=2.0)}
+    err = diagnose.failure_error(result(stderr={1: ["noise", *TRACEBACK]}), records)
+    assert isinstance(err, JobFailedError) and isinstance(err, TorchrunError) and not err.timed_out
+    assert err.rank == 1 and err.exitcode == 1 and err.hang is None and err.stuck_ranks == [] and err.stacks == {}
+    lines = str(err).splitlines()
+    assert lines[0] == ("rank 1 raised ValueError (exit code 1); then 1 other rank(s) stopped too: rank 0 was "
+                        "killed by SIGTERM (exit code -15)."), lines
+    assert lines[1:] == ["--- rank 1 stderr (last traceback) ---", "Traceback (most recent call last):",
+                         '  File "/work/train.py", line 7, in load_batch', '    raise ValueError("bad batch on purpose")',
+                         "ValueError: bad batch on purpose"], lines
+
+
+def test_whom_a_failure_blames():
+    # A rank torchrun stopped (SIGTERM, no exception) is blamed last, however early it died.
+    stopped, raised = _failed(0, -signal.SIGTERM, time=1.0), _failed(1, 1, "RuntimeError", time=5.0)
+    assert sorted([stopped, raised], key=diagnose.blame_order) == [raised, stopped]
+    early, late = _failed(1, 1, "ValueError", time=1.0), _failed(0, 1, "ValueError", time=2.0)
+    assert sorted([late, early], key=diagnose.blame_order) == [early, late]
+    killed = diagnose.failure_error(result(), {0: _failed(0, -signal.SIGTERM), 1: _failed(1, -signal.SIGKILL, time=0)})
+    assert str(killed).startswith("rank 1 was killed by SIGKILL (exit code -9)") and killed.exitcode == -9
+    code = diagnose.failure_error(result(), {0: _failed(0, 4), 1: diagnose.RankRecord(1, exitcode=0)})
+    assert str(code).startswith("rank 0 exited with code 4.\nNote: rank 1 exited normally (code 0) while the "
+                                "others were still running"), str(code)
+    assert "(rank wrote nothing to stderr)" in str(code)
+    dying = diagnose.failure_error(result(), {0: _failed(0, -signal.SIGABRT, "RuntimeError")})
+    assert str(dying).startswith("rank 0 raised RuntimeError, then was killed by SIGABRT (exit code -6) while "
+                                 "shutting down"), str(dying)
+    itself = diagnose.failure_error(result(returncode=1), {0: diagnose.RankRecord(0), 1: diagnose.RankRecord(1)})
+    assert str(itself).startswith("torchrun itself failed (exit code 1) before any rank reported an error. Its "
+                                  "last lines:\ntorchrun: its last line"), str(itself)
+    assert itself.rank is None
+
+
+def test_a_long_traceback_is_cut_to_about_twenty_lines():
+    """Replaces the end-to-end test of the same name: the cut is this function's alone."""
+    frames = [line for i in range(31) for line in (f'  File "/work/deep.py", line {i + 2}, in f{i}', f"    f{i + 1}()")]
+    lines = ["Traceback (most recent call last):", *frames, "RuntimeError: deep"]
+    cut = diagnose.last_traceback(lines)
+    assert len(cut) == 20 and cut[0] == lines[0] and cut[-1] == "RuntimeError: deep" and "in f30" in cut[-3]
+    assert cut[1] == f"  ... ({len(lines) - 19} lines cut; the whole log is on the error's .result)", cut[1]
+    err = diagnose.failure_error(result(1, {0: lines}), {0: _failed(0, 1, "RuntimeError")})
+    assert "lines cut" in str(err) and len(str(err).splitlines()) <= 25
 
 
 def test_last_traceback_strips_torch_prefix_and_launcher_frames():
@@ -98,3 +207,23 @@ def test_last_traceback_strips_torch_prefix_and_launcher_frames():
 def test_signal_name():
     assert diagnose.signal_name(-9) == "SIGKILL"
     assert diagnose.signal_name(1) is None and diagnose.signal_name(None) is None
+
+
+def test_a_stall_counts_from_the_ranks_output_not_from_the_launch():
+    """Replaces the end-to-end stall test (8-9 s of sleeping): the same story, told to the Watch by a fake clock."""
+    watch = diagnose.Watch(start=100.0, timeout=300, stall_timeout=2)
+    assert watch.check(104.0, new_lines=False, every_rank_printed=False) is None  # silent 4 s before any line
+    assert watch.check(104.1, new_lines=True, every_rank_printed=False) is None  # rank 0's first line
+    assert watch.check(107.0, new_lines=False, every_rank_printed=False) is None  # rank 1 has not printed yet
+    for tick in range(10):  # both ranks print every 0.2 s for 2 s
+        assert watch.check(107.2 + 0.2 * tick, new_lines=True, every_rank_printed=True) is None
+    assert watch.check(110.8, new_lines=False, every_rank_printed=True) is None  # 1.8 s of silence
+    assert watch.check(111.1, new_lines=False, every_rank_printed=True) == Hang("stall", 2)  # 2.1 s: a stall
+
+
+def test_a_timeout_counts_from_the_launch_whatever_the_ranks_print():
+    watch = diagnose.Watch(start=0.0, timeout=12, stall_timeout=None)
+    assert watch.check(11.9, new_lines=True, every_rank_printed=True) is None
+    assert watch.check(12.1, new_lines=True, every_rank_printed=True) == Hang("timeout", 12)
+    assert str(Hang("timeout", 12)) == "timed out after 12 s"
+    assert diagnose.Watch(0.0, None, None).check(1e9, False, True) is None  # no limit, no hang

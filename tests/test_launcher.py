@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ddp_test_support import REPO, wait_for_no_leftovers
-from ddp_helpers import TorchrunError, torchrun
+from ddp_helpers import JobFailedError, JobHungError, TorchrunError, launcher, torchrun
+from ddp_helpers.outcome import Hang
 
 pytestmark = pytest.mark.usefixtures("kernel_unchanged")
 
@@ -91,8 +93,8 @@ def test_failure_names_first_failing_rank_with_its_traceback(script):
         torchrun(path, nproc_per_node=2, live=False, timeout=120)
     err = info.value
     message = str(err)
-    assert isinstance(err, RuntimeError)
-    assert err.rank == 1 and err.exitcode != 0 and not err.timed_out
+    assert isinstance(err, JobFailedError) and isinstance(err, RuntimeError)
+    assert err.rank == 1 and err.exitcode != 0 and not err.timed_out and err.hang is None
     assert message.startswith("rank 1 raised ValueError")
     assert "ValueError: bad batch on purpose" in message and "in load_batch" in message
     assert "_worker.py" not in message and "runpy" not in message  # only the user's frames
@@ -143,6 +145,7 @@ def test_hang_is_killed_and_the_culprit_named(script):
         if len(info.value.result.records()) == 2:  # both ranks reached their places (rank 1 sleeping) in time
             break
     err = info.value
+    assert isinstance(err, JobHungError) and err.hang == Hang("timeout", limit), str(err)
     assert err.timed_out and err.stuck_ranks == [1], str(err)
     assert str(err).startswith(f"timed out after {limit} s; stuck: rank 1"), str(err)
     message = str(err)
@@ -181,7 +184,8 @@ def test_mismatched_collectives_are_reported(script):
     with pytest.raises(TorchrunError) as info:
         torchrun(path, nproc_per_node=2, live=False, stall_timeout=3)
     err = info.value
-    assert err.timed_out and err.stuck_ranks == [0, 1], str(err)
+    assert isinstance(err, JobHungError) and err.hang == Hang("stall", 3), str(err)
+    assert err.stuck_ranks == [0, 1], str(err)
     assert "different collectives" in str(err)
 
 
@@ -204,10 +208,39 @@ def test_stall_counts_from_the_ranks_output_not_from_the_launch(script):
     with pytest.raises(TorchrunError) as info:
         torchrun(path, nproc_per_node=2, live=False, stall_timeout=2, timeout=300)
     err = info.value
+    assert isinstance(err, JobHungError) and err.hang == Hang("stall", 2), str(err)
     assert err.timed_out and err.stuck_ranks == [1], str(err)
     assert str(err).startswith("stalled: every rank had printed, then none printed anything for 2 s"), str(err)
     assert [r["tick"] for r in err.result.records(rank=0)] == list(range(10)), err.result.stdout[0]
     assert "all_reduce" in err.stacks[0], err.stacks[0]
+
+
+def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
+    """The launcher's one object per rank: stdout and stderr in whole lines, the status file parsed into events,
+    each read from where the last look ended (a half-written line waits for its end). No process needed."""
+    from ddp_helpers import _protocol as protocol
+
+    rank = launcher._Rank(str(tmp_path), 1, live=False)
+    assert not rank.poll() and rank.pid() is None and not rank.printed and rank.groups() == set()
+    status, stdout = (Path(protocol.rank_file(str(tmp_path), 1, kind)) for kind in ("status", "stdout"))
+    start = json.dumps({"event": "start", "pid": 42, "pgid": 40, "time": 1.0}) + "\n"
+    status.write_text(start[:20])  # the worker wrapper is still writing the line
+    assert not rank.poll() and rank.events == [] and rank.pid() is None
+    with status.open("a") as f:
+        f.write(start[20:])
+    stdout.write_text("first\nsec")
+    assert rank.poll() and rank.printed and rank.pid() == 42 and rank.stdout.lines == ["first"]
+    with status.open("a") as f:  # a restart: a second attempt in a new process group
+        f.write(json.dumps({"event": "start", "pid": 52, "pgid": 50, "time": 2.0}) + "\n")
+        f.write(json.dumps({"event": "exit", "code": 0, "time": 3.0}) + "\n")
+    with stdout.open("a") as f:
+        f.write("ond, no newline")
+    assert rank.groups() == {40, 50} and rank.pid() == 52
+    rank.finish()
+    assert rank.stdout.lines == ["first", "second, no newline"] and rank.stderr.lines == []
+    assert not rank.poll() and len(rank.events) == 3, "each event parsed once, also after the files are done"
+    record = rank.record(agents_ok=True)
+    assert (record.rank, record.started, record.exitcode, record.script_exit) == (1, True, 0, 0)
 
 
 def _parent(tmp_path: Path, target: Path) -> subprocess.Popen:
@@ -378,12 +411,11 @@ def test_backend_is_passed_to_the_script(script):
     (1, 2, "gloo", "gloo"),  # asked for: passed on as asked
 ])
 def test_fewer_gpus_than_ranks_runs_on_gloo(script, monkeypatch, capsys, gpus, nproc, backend, expected):
-    from ddp_helpers import launcher
     monkeypatch.delenv("DDP_BACKEND", raising=False)
     monkeypatch.setattr(launcher, "_may_have_gpus", lambda: True)
     monkeypatch.setattr(launcher, "_gpu_count", lambda python: gpus)
     monkeypatch.setattr(launcher, "_NOTED", set())
-    job = launcher._plan(script(HELLO), (), nproc, 1, 60, None, None, None, False, backend, (), False, 1.0, False)
+    job = launcher._plan(script=script(HELLO), nproc_per_node=nproc, live=False, backend=backend, warm=False)
     assert job.env.get("DDP_BACKEND") == expected, job.env.get("DDP_BACKEND")
     noted = capsys.readouterr().out
     assert ("NCCL needs one GPU per rank" in noted) == (expected == "gloo" and backend is None), noted

@@ -1,0 +1,107 @@
+"""What a launch returns or raises: ``TorchrunResult``, and ``TorchrunError`` with its two kinds.
+
+``JobFailedError``: a rank failed (``.rank`` names the one to blame, ``.exitcode`` how it ended), or torchrun
+itself did before any rank reported an error (``.rank`` is None). ``JobHungError``: the job was stopped because
+it hung; ``.hang`` says how it was caught (``Hang``: a timeout or a stall, with its seconds), ``.stuck_ranks``
+whom to blame and ``.stacks`` where every rank was. ``except TorchrunError`` catches both. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class TorchrunResult:
+    """What a torchrun job left: exit codes and every rank's output lines, by global rank."""
+
+    command: str  # the equivalent plain torchrun command, to run outside the notebook
+    returncode: int
+    duration: float
+    stdout: dict[int, list[str]]
+    stderr: dict[int, list[str]]
+    exitcodes: dict[int, int | None]
+    agent_output: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.stdout)
+
+    def records(self, rank: int | None = None) -> list[dict]:
+        """The JSON objects the ranks printed, one per line; all ranks in rank order, or one rank's.
+
+        After an elastic restart (``torchrun_args=["--max-restarts=N"]``) a rank's lines hold every
+        attempt in order, so records of the first attempt come before those of the restarted one.
+        """
+        if rank is not None and rank not in self.stdout:
+            raise KeyError(f"no rank {rank} in this job; ranks are {sorted(self.stdout)}")
+        found = []
+        for r in sorted(self.stdout) if rank is None else [rank]:
+            for line in self.stdout[r]:
+                text = line.strip()
+                if not (text.startswith("{") and text.endswith("}")):
+                    continue
+                try:
+                    obj = json.loads(text)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    found.append(obj)
+        return found
+
+
+@dataclass(frozen=True)
+class Hang:
+    """How a job was caught hanging: its wall-clock ``timeout=`` passed, or it stalled (every rank had
+    printed, then none printed anything for ``stall_timeout=`` seconds)."""
+
+    kind: Literal["timeout", "stall"]
+    seconds: float
+
+    def __str__(self) -> str:
+        if self.kind == "timeout":
+            return f"timed out after {self.seconds:g} s"
+        return f"stalled: every rank had printed, then none printed anything for {self.seconds:g} s"
+
+
+class TorchrunError(RuntimeError):
+    """A torchrun job failed or hung; the message says which rank and why, the logs stay on ``.result``."""
+
+    rank: int | None = None  # the rank to blame for a failure
+    exitcode: int | None = None  # how that rank ended
+    hang: Hang | None = None  # how a hang was caught
+
+    def __init__(self, message: str, result: TorchrunResult):
+        super().__init__(message)
+        self.result = result
+        self.stuck_ranks: list[int] = []
+        self.stacks: dict[int, str] = {}
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the job was stopped as hung, by ``timeout=`` or by ``stall_timeout=`` (``.hang.kind`` says
+        which). It stays true for a stall because the notebooks assert it after stalls."""
+        return self.hang is not None
+
+
+class JobFailedError(TorchrunError):
+    """A rank failed (``.rank``, ``.exitcode``), or torchrun itself did before any rank reported (``.rank`` None)."""
+
+    def __init__(self, message: str, result: TorchrunResult, *, rank: int | None = None,
+                 exitcode: int | None = None):
+        super().__init__(message, result)
+        self.rank, self.exitcode = rank, exitcode
+
+
+class JobHungError(TorchrunError):
+    """The job hung and was stopped: ``.hang`` (timeout or stall), ``.stuck_ranks`` to blame, ``.stacks`` by rank."""
+
+    def __init__(self, message: str, result: TorchrunResult, *, hang: Hang, stuck_ranks: Sequence[int],
+                 stacks: Mapping[int, str]):
+        super().__init__(message, result)
+        self.hang = hang
+        self.stuck_ranks = list(stuck_ranks)
+        self.stacks = dict(stacks)
