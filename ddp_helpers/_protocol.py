@@ -1,13 +1,13 @@
-"""How the launcher, the agent wrapper and the worker shim talk to each other. Torch-free.
+"""How the launcher, the agents and the worker wrapper talk to each other. Torch-free.
 
 The launcher (``launcher.torchrun``) makes a private **run folder** and starts one agent per simulated
 node, ``python -m ddp_helpers._agent TORCHRUN_ARGS -m ddp_helpers._worker SCRIPT ARGS``, in a process
 group of its own, with the variables below in its environment and the read end of the **lifeline**
 pipe as its stdin. Everything else travels through files in the run folder:
 
-- ``rank{r}.stdout``, ``rank{r}.stderr``: global rank ``r``'s output; the shim points the rank's file
+- ``rank{r}.stdout``, ``rank{r}.stderr``: global rank ``r``'s output; the worker wrapper points the rank's file
   descriptors 1 and 2 at them (appending, so a restarted attempt continues the same files).
-- ``rank{r}.status``: one JSON object per line, appended by the shim: ``start`` (pid, pgid, local
+- ``rank{r}.status``: one JSON object per line, appended by the worker wrapper: ``start`` (pid, pgid, local
   and group rank, restart count), then ``exception`` (type, message) if the script raised, then
   ``exit`` (code). Each has a ``time`` (``time.time()``). A restart appends a new ``start``.
 - ``agent{i}.stdout``, ``agent{i}.stderr``: agent ``i``'s own log (torchrun's messages).

@@ -3,13 +3,15 @@
 Why: a cold launch starts three Python processes that each import torch (seconds each); forking from a
 process that already imported it costs milliseconds. The agent is torch's own: ``_agent.main(warm=True)``
 runs ``torch.distributed.run`` with the very flags a cold launch passes, only the workers are forked
-(``start_method="fork"``) and run the worker shim as a function instead of as ``python -m``.
+(``start_method="fork"``) and run the worker wrapper as a function instead of as ``python -m``; the torch
+internals this takes are in ``_internals``, checked before the warm process says it is ready.
 
 The **warm process** (``python -u -m ddp_helpers._warm SOCKET``) imports torch and torchvision, touches
 neither CUDA nor threads of its own, listens on a Unix socket in a private folder, and exits when its
-stdin (a pipe the kernel holds) reaches end of file, i.e. when the kernel is gone. Each launch connects,
-sends one request (JSON: the agent's argv, environment and folder) with three file descriptors (the
-launch's lifeline, the agent's stdout and stderr files), and receives ``{"pid": N}`` at once and
+stdin (a pipe the kernel holds) reaches end of file, i.e. when the kernel is gone. It prints ``ready``
+once it listens, or ``unsupported: ...`` (and exits) where this torch lacks an internal. Each launch
+connects, sends one request (JSON: the agent's argv, environment and folder) with three file descriptors
+(the launch's lifeline, the agent's stdout and stderr files), and receives ``{"pid": N}`` at once and
 ``{"exit": code}`` when the agent ends. The agent runs in a session of its own, like a cold one.
 
 This module does not import torch on the kernel's side; only ``serve()`` does, in the warm process.
@@ -28,6 +30,8 @@ import threading
 import time
 
 from ddp_helpers import _protocol as protocol
+
+COMMAND = [sys.executable, "-u", "-m", protocol.WARM_MODULE]  # how the warm process starts (its socket follows)
 
 # Variables torch and its libraries read when torch is imported (or when a library is loaded): a warm
 # process imported torch under the values it started with, so a launch that needs other values runs cold.
@@ -50,6 +54,10 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
 # ---- the kernel's side -------------------------------------------------------------------------------------
 
 
+class WarmUnsupported(RuntimeError):
+    """This torch lacks an internal that warm launches need (``_internals``): launches run cold."""
+
+
 class WarmProcess:
     """The kernel's handle on its warm process: started on first use, ended with the kernel."""
 
@@ -59,13 +67,14 @@ class WarmProcess:
         self.env = dict(env)
         # Forks keep this process's first environment block, so /proc shows whose launches they are.
         env = {**env, protocol.WARM_OWNER: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", protocol.WARM_MODULE, self.address],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     env=env, cwd=self.folder, start_new_session=True)
-        line = self.proc.stdout.readline()  # "ready" once torch is imported and the socket listens
-        if line.strip() != b"ready":
+        self.proc = subprocess.Popen([*COMMAND, self.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, cwd=self.folder, start_new_session=True)
+        line = self.proc.stdout.readline().decode(errors="replace").strip()  # "ready": torch imported, listening
+        if line != "ready":
             self.close()
-            raise RuntimeError("the warm launcher process did not start")
+            if line.startswith("unsupported: "):
+                raise WarmUnsupported(line.removeprefix("unsupported: "))
+            raise RuntimeError("the warm process did not start")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -80,7 +89,7 @@ class WarmProcess:
             reply = reader.next(conn)
         except EOFError:
             conn.close()
-            raise RuntimeError("the warm launcher process closed the connection") from None
+            raise RuntimeError("the warm process closed the connection") from None
         except BaseException:
             conn.close()
             raise
@@ -146,29 +155,39 @@ class WarmAgent:
 
 _lock = threading.Lock()
 _process: WarmProcess | None = None
+_unsupported: str | None = None  # what this torch lacks, once a warm process said so: no second try
 
 
 def warm_process(env: dict[str, str]) -> tuple[WarmProcess, str | None]:
-    """This kernel's warm process, started (or restarted) as needed; and a note if it had to be restarted."""
-    global _process
+    """This kernel's warm process, started (or restarted) as needed; and a note if it had to be restarted.
+    ``WarmUnsupported`` where this torch lacks an internal warm launches need (asked once per kernel)."""
+    global _process, _unsupported
     with _lock:
+        if _unsupported is not None:
+            raise WarmUnsupported(_unsupported)
         note = None
         if _process is not None and import_time_env(_process.env) != import_time_env(env):
             changed = sorted(set(import_time_env(_process.env).items()) ^ set(import_time_env(env).items()))
-            note = f"restarted the warm launcher: {', '.join(sorted({k for k, _ in changed}))} changed since it started"
+            names = ", ".join(sorted({k for k, _ in changed}))
+            note = f"restarted the warm process: {names} changed since it started"
             _process.close()
             _process = None
         if _process is not None and not _process.alive():
             _process = None
         if _process is None:
-            _process = WarmProcess(env)
+            try:
+                _process = WarmProcess(env)
+            except WarmUnsupported as e:
+                _unsupported = str(e)
+                raise
         return _process, note
 
 
 def shutdown() -> None:
     """End this kernel's warm process, if any; the next warm launch starts a new one (used by benchmarks)."""
-    global _process
+    global _process, _unsupported
     with _lock:
+        _unsupported = None
         if _process is not None:
             _process.close()
             _process = None
@@ -192,14 +211,15 @@ def serve(address: str) -> None:
         import torchvision  # noqa: F401
     except ImportError:
         pass
-    import torch.distributed.run  # noqa: F401
-    from torch.distributed.elastic.multiprocessing import api  # noqa: F401
+    from ddp_helpers import _internals
 
-    import multiprocessing
+    lacking = _internals.missing()  # which imports, once here, every module of torch a forked agent uses
+    if lacking:
+        print(f"unsupported: this torch lacks {', '.join(lacking)}", flush=True)
+        return
+    from ddp_helpers import _agent, _worker  # noqa: F401 -- imported once here, for every fork
 
-    from ddp_helpers import _agent, _worker  # noqa: F401
-
-    _worker.MAIN_PROCESS = multiprocessing.current_process()
+    _worker.MAIN_PROCESS = _internals.MainProcess()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)

@@ -1,7 +1,7 @@
-"""Bootstrap that runs a user's script as one torchrun worker (``python -m ddp_helpers._worker SCRIPT ARGS``).
+"""The worker wrapper: runs a user's script as one torchrun worker (``python -m ddp_helpers._worker SCRIPT ARGS``).
 
 Torchrun has no way to give each *global* rank its own pair of log files, a stack dump on
-demand, or a link to the notebook kernel's lifetime, so this shim adds exactly those three
+demand, or a link to the notebook kernel's lifetime, so this wrapper adds exactly those three
 things and then runs the script unchanged as ``__main__``. It must not import torch.
 """
 
@@ -18,7 +18,7 @@ import types
 from ddp_helpers import _protocol as protocol
 
 
-MAIN_PROCESS = None  # set by the warm process (_warm.serve) to its multiprocessing.current_process()
+MAIN_PROCESS = None  # set by the warm process (_warm.serve): its _internals.MainProcess, restored in each rank
 
 
 def _write_status(path: str, **fields: object) -> None:
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         raise
     except Exception as e:
-        # Report as Python would (through sys.excepthook, which torch may have wrapped), minus this shim's frames.
+        # Report as Python would (through sys.excepthook, which torch may have wrapped), minus this wrapper's frames.
         code = 1
         _write_status(status, event="exception", type=type(e).__name__, message=str(e)[:500], time=time.time())
         e = e.with_traceback(_user_frames(e.__traceback__))
@@ -84,7 +84,6 @@ def forked(*python_args: str) -> None:
 def _like_a_fresh_process() -> None:
     """Undo what a fork inherits and a fresh ``python`` would not have: the agent's signal handlers, the
     main-process identity, random seeds, and torch's thread count from OMP_NUM_THREADS (read at import)."""
-    import multiprocessing.process
     import random
     import signal
 
@@ -96,8 +95,7 @@ def _like_a_fresh_process() -> None:
             pass
 
     if MAIN_PROCESS is not None:  # the warm process's own "MainProcess": what a fresh interpreter reports
-        multiprocessing.process._current_process = MAIN_PROCESS
-        multiprocessing.process._parent_process = None
+        MAIN_PROCESS.restore()
     random.seed()  # a fresh interpreter seeds these from the OS, each process its own
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -110,7 +108,7 @@ def _like_a_fresh_process() -> None:
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """Skip the leading traceback entries that belong to this shim and runpy."""
+    """Skip the leading traceback entries that belong to this wrapper and runpy."""
     while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
                               or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next

@@ -236,6 +236,9 @@ def _warm_process(env: dict[str, str]) -> _warm.WarmProcess | None:
     """This kernel's warm process, or None (with a note) where it cannot start: the launch then runs cold."""
     try:
         process, note = _warm.warm_process(env)
+    except _warm.WarmUnsupported as e:
+        _note_once(f"warm launches are off ({e}): every launch starts a fresh torchrun")
+        return None
     except (OSError, RuntimeError) as e:
         print(f"ddp_helpers: no warm launch ({e}); starting a fresh torchrun", flush=True)
         return None

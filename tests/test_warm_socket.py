@@ -1,16 +1,18 @@
-"""The warm socket's messages, both ends, without starting a warm process: split and joined reads, a client
-that leaves mid-request, a bad request. Each test fails on the code before the one message module."""
+"""The warm process: its socket's messages, both ends, without starting one (split and joined reads, a client
+that leaves mid-request, a bad request: each of these failed on the code before the one message module), and its
+guard on the torch internals warm launches need (a missing one is simulated)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 
 import pytest
 
+from ddp_helpers import _internals, _warm, launcher
 from ddp_helpers import _protocol as protocol
-from ddp_helpers import _warm
 
 
 def test_a_reader_takes_messages_however_the_stream_splits_them():
@@ -85,3 +87,44 @@ def test_a_bad_request_is_answered_and_leaks_nothing(request_bytes):
     os.close(r)
     os.close(w)
     assert _open_fds() <= before, "the descriptors that came with the request were left open"
+
+
+def test_the_guard_names_a_missing_internal(monkeypatch):
+    pytest.importorskip("torch")
+    from torch.distributed.elastic.multiprocessing import api
+
+    assert _internals.missing() == [], "this torch has every internal warm launches use"
+    monkeypatch.delattr(api, "_wrap")  # as if a torch release had renamed it
+    assert _internals.missing() == ["torch.distributed.elastic.multiprocessing.api._wrap"]
+
+
+def test_a_warm_process_on_such_a_torch_says_so_instead_of_ready(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("torch")
+    from torch.distributed.elastic.multiprocessing import api
+
+    monkeypatch.delattr(api, "_wrap")
+    server = threading.Thread(target=_warm.serve, args=(str(tmp_path / "warm.sock"),), daemon=True)
+    server.start()
+    server.join(timeout=120)  # a guard against a warm process that went on to serve, not a measure of speed
+    assert not server.is_alive(), "the warm process started serving on a torch that lacks an internal"
+    assert capsys.readouterr().out == "unsupported: this torch lacks torch.distributed.elastic.multiprocessing.api._wrap\n"
+    assert not (tmp_path / "warm.sock").exists(), "it never listened"
+
+
+def test_a_torch_without_an_internal_launches_cold_with_one_note(monkeypatch, capsys):
+    """What the warm process says (the test above) ends warm launches in this kernel: each launch runs cold, one
+    note says why, and no second warm process is tried."""
+    said = "unsupported: this torch lacks torch.distributed.elastic.multiprocessing.api._wrap"
+    monkeypatch.setattr(_warm, "COMMAND", [sys.executable, "-c", f"print({said!r})"])  # stands in for serve()
+    monkeypatch.setattr(_warm, "_process", None)  # this kernel's real warm process is left alone
+    monkeypatch.setattr(_warm, "_unsupported", None)
+    monkeypatch.setattr(launcher, "_NOTED", set())
+    env = dict(os.environ)
+    with pytest.raises(_warm.WarmUnsupported, match=r"this torch lacks torch\.distributed\.elastic\.multiprocessing"
+                                                   r"\.api\._wrap"):
+        _warm.warm_process(env)
+    monkeypatch.setattr(_warm, "WarmProcess", None)  # from now on, starting one would fail loudly
+    assert launcher._warm_process(env) is None and launcher._warm_process(env) is None  # two launches: cold
+    note = ("ddp_helpers: warm launches are off (this torch lacks torch.distributed.elastic.multiprocessing.api._wrap): "
+            "every launch starts a fresh torchrun\n")
+    assert capsys.readouterr().out == note
