@@ -25,7 +25,7 @@ thread's stack to the rank's stderr.
 Warm launches (``_warm``) talk over a Unix stream socket in **messages**: a 4-byte big-endian length, then
 that many bytes of JSON (``pack_message``; ``MessageReader`` reads them back, however the stream splits them).
 A launch sends one request (with three file descriptors) and receives ``{"pid": N}`` or ``{"error": ...}``,
-then ``{"exit": code}`` when the agent ends.
+then ``{"exit": code}`` when the agent ends; ``{"count_gpus": true}`` (no descriptors) gets ``{"gpus": N}``.
 """
 
 from __future__ import annotations

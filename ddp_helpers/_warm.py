@@ -12,7 +12,8 @@ stdin (a pipe the kernel holds) reaches end of file, i.e. when the kernel is gon
 once it listens, or ``unsupported: ...`` (and exits) where this torch lacks an internal. Each launch
 connects, sends one request (JSON: the agent's argv, environment and folder) with three file descriptors
 (the launch's lifeline, the agent's stdout and stderr files), and receives ``{"pid": N}`` at once and
-``{"exit": code}`` when the agent ends. The agent runs in a session of its own, like a cold one.
+``{"exit": code}`` when the agent ends. The agent runs in a session of its own, like a cold one. A
+request ``{"count_gpus": true}``, without descriptors, is answered ``{"gpus": N}`` (None: NVML cannot tell).
 
 This module does not import torch on the kernel's side; only ``serve()`` does, in the warm process.
 """
@@ -81,22 +82,34 @@ class WarmProcess:
 
     def start_agent(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int]) -> WarmAgent:
         """Fork an agent running ``torch.distributed.run`` with ``argv``; ``fds``: its lifeline, stdout, stderr."""
+        conn, reader, reply = self._ask({"argv": argv, "env": env, "cwd": cwd}, list(fds))
+        if "error" in reply:
+            conn.close()
+            raise RuntimeError(reply["error"])
+        return WarmAgent(reply["pid"], conn, reader)  # the reader may already hold the exit message
+
+    def count_gpus(self) -> int | None:
+        """The CUDA GPUs torch sees here, counted without initialising CUDA; None where NVML cannot tell."""
+        conn, _, reply = self._ask({"count_gpus": True}, [])
+        conn.close()
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply["gpus"]
+
+    def _ask(self, request: dict, fds: list[int]) -> tuple[socket.socket, protocol.MessageReader, dict]:
+        """Send one request (with ``fds``) and read the first reply; the connection stays open for more."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         reader = protocol.MessageReader()
         try:
             conn.connect(self.address)
-            socket.send_fds(conn, [protocol.pack_message({"argv": argv, "env": env, "cwd": cwd})], list(fds))
-            reply = reader.next(conn)
+            socket.send_fds(conn, [protocol.pack_message(request)], fds)
+            return conn, reader, reader.next(conn)
         except EOFError:
             conn.close()
             raise RuntimeError("the warm process closed the connection") from None
         except BaseException:
             conn.close()
             raise
-        if "error" in reply:
-            conn.close()
-            raise RuntimeError(reply["error"])
-        return WarmAgent(reply["pid"], conn, reader)  # the reader may already hold the exit message
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -239,7 +252,7 @@ def serve(address: str) -> None:
 
 
 def _handle(conn: socket.socket, listener: socket.socket, agents: dict[int, socket.socket]) -> None:
-    """Read one request and fork its agent."""
+    """Read one request: fork its agent, or count the GPUs."""
     import torch
 
     fds: list[int] = []
@@ -251,13 +264,21 @@ def _handle(conn: socket.socket, listener: socket.socket, agents: dict[int, sock
         reader = protocol.MessageReader(data)
         request = reader.next(conn)
         conn.settimeout(None)
-        if len(fds) != 3:
-            raise ValueError(f"{len(fds)} file descriptors came with the request, not 3")
+        if not isinstance(request, dict):
+            raise ValueError("a request is a JSON object")
+        if len(fds) != (0 if request.get("count_gpus") else 3):
+            raise ValueError(f"{len(fds)} file descriptors came with the request")
     except (OSError, EOFError, ValueError) as e:  # socket.timeout is an OSError; bad JSON a ValueError
         _send(conn, {"error": f"bad request: {e}"})
         conn.close()
         for fd in fds:
             os.close(fd)
+        return
+    if request.get("count_gpus"):
+        from ddp_helpers import _internals
+
+        _send(conn, {"gpus": _internals.cuda_devices()})
+        conn.close()
         return
     if torch.cuda.is_initialized():  # never true unless something touched CUDA here: forking would break it
         _send(conn, {"error": "CUDA is initialised in the warm process"})

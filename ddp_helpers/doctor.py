@@ -2,7 +2,7 @@
 
 Statuses: ✓ pass, ⚠ warn (works, but read the line: exit code stays 0), ✗ fail (exit code 1).
 Warnings: a single CPU core (two ranks share it: slow but correct), stale torchrun variables such
-as RANK in the shell, GPUs without NCCL (the scripts then fall back to gloo on the CPU).
+as RANK in the shell, GPUs without NCCL (the scripts would pick NCCL and fail: DDP_BACKEND=gloo avoids it).
 Nothing here imports torch until a check runs, so ``--help`` is instant.
 """
 
@@ -194,18 +194,26 @@ def check_disk() -> Check:
 
 
 def check_gpus() -> Check:
-    """GPUs are optional; when present, NCCL should be available (else the scripts fall back to gloo)."""
+    """GPUs are optional. With GPUs, NCCL should be available (the scripts pick it by themselves), and with fewer
+    GPUs than the notebooks' 2 ranks a launch runs on gloo (``environment.launch_backend``, as the launcher does)."""
     import torch
     import torch.distributed as dist
+
+    from ddp_helpers.environment import launch_backend
 
     count = torch.cuda.device_count()
     if count == 0:
         return Check("GPUs", "pass", "no GPU: the notebooks use gloo on the CPU")
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
-    if dist.is_nccl_available():
-        return Check("GPUs", "pass", f"{count} GPU(s) ({names}), NCCL available")
-    return Check("GPUs", "warn", f"{count} GPU(s) ({names}) but NCCL is not available: the scripts will use gloo "
-                 "on the CPU", "for GPU runs install a CUDA build of torch on Linux")
+    if not dist.is_nccl_available():
+        return Check("GPUs", "warn", f"{count} GPU(s) ({names}) but this torch has no NCCL, which the scripts pick "
+                     "when they see a GPU: their init_process_group fails", "install a CUDA build of torch on Linux, "
+                     "or run everything on the CPU: export DDP_BACKEND=gloo")
+    backend, _ = launch_backend(2, count)
+    if backend == "gloo":
+        return Check("GPUs", "pass", f"{count} GPU ({names}), NCCL available: a launch of one rank per node uses "
+                     "NCCL; the notebooks' 2-rank launches run on gloo and the CPU (NCCL needs one GPU per rank)")
+    return Check("GPUs", "pass", f"{count} GPU(s) ({names}), NCCL available")
 
 
 def _same_python(argv0: str) -> bool:

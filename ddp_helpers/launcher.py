@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ddp_helpers import _protocol as protocol
-from ddp_helpers import _warm, diagnose
+from ddp_helpers import _warm, diagnose, environment
 from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunError, TorchrunResult
 
 __all__ = ["DEFAULT_TIMEOUT", "JobFailedError", "JobHungError", "TorchrunError", "TorchrunResult", "torchrun"]
@@ -43,6 +43,7 @@ DUMP_WAIT = 30.0
 DUMP_SETTLE = 0.3  # a rank's dump counts as complete once its stderr has had no new line for this long
 REAP_WAIT = 5.0  # after SIGKILL, how long to wait for an agent process to be reaped
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # which GPUs torch sees
 
 
 def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, nnodes: int = 1,
@@ -161,14 +162,7 @@ def _plan(*, script: str | os.PathLike, args: Sequence[object] = (), nproc_per_n
     child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", protocol.PARENT_PID: str(os.getpid()),
                  protocol.LIFELINE: "0"}
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-    if backend is not None:
-        _check_backend(backend, nproc_per_node)
-        child_env["DDP_BACKEND"] = backend
-    elif "DDP_BACKEND" not in extra_env and not os.environ.get("DDP_BACKEND"):
-        fallback = _one_gpu_fallback(nproc_per_node)
-        if fallback:
-            child_env["DDP_BACKEND"] = "gloo"
-            _note_once(fallback)
+    child_env.update(_backend_env(backend, nproc_per_node, child_env, warm_now))
 
     run_id = uuid.uuid4().hex[:12]
     node_args = _node_args(nnodes, run_id)
@@ -185,46 +179,59 @@ def _plan(*, script: str | os.PathLike, args: Sequence[object] = (), nproc_per_n
                 show_agent, timeout, stall_timeout, grace, warm_now)
 
 
-def _check_backend(backend: str, nproc_per_node: int) -> None:
-    if backend == "nccl":
-        gpus = _gpu_count(sys.executable)
-        if gpus < nproc_per_node:
-            raise RuntimeError(
-                f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
-                f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
-                f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
-                f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
+def _backend_env(backend: str | None, nproc_per_node: int, env: Mapping[str, str], warm: bool) -> dict[str, str]:
+    """The DDP_BACKEND to hand the ranks, if any, as ``environment.launch_backend`` decides; the GPUs are counted
+    only where the answer matters. ``backend="nccl"`` with fewer GPUs than ranks per node stops here."""
+    preset = None if backend else env.get("DDP_BACKEND")
+    gpus = _gpu_count(env, warm) if backend == "nccl" or not (backend or preset) else 0
+    if backend == "nccl" and gpus < nproc_per_node:
+        raise RuntimeError(
+            f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
+            f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
+            f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
+            f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
+    _, handed = environment.launch_backend(nproc_per_node, gpus, backend, preset)
+    if handed and backend is None:
+        _note_once(f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than "
+                   f"that runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) "
+                   f"per node.")
+    return {"DDP_BACKEND": handed} if handed else {}
 
 
-def _gpu_count(python: str) -> int:
-    """How many GPUs torch sees, asked in a child process so that this process never imports torch."""
-    key = (python, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("HIP_VISIBLE_DEVICES"))
+def _gpu_count(env: Mapping[str, str], warm: bool) -> int:
+    """How many GPUs the ranks will see. 0 where no GPU driver exists at all, without asking; else asked once per
+    kernel and setting of the *_VISIBLE_DEVICES variables: of the warm process when the launch is warm (it has
+    torch imported, and counts without initialising CUDA), else of a fresh Python (this process never imports
+    torch)."""
+    if not _may_have_gpus():
+        return 0
+    key = tuple(env.get(k) for k in _VISIBILITY)
     if key not in _GPU_COUNTS:
-        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"],
-                             capture_output=True, text=True, timeout=120)
-        _GPU_COUNTS[key] = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+        count = None
+        process = _warm_process(_warm_env(env)) if warm else None
+        if process is not None:
+            try:
+                count = process.count_gpus()
+            except (OSError, RuntimeError):
+                count = None
+        if count is None:
+            clean = {k: v for k, v in env.items() if k not in protocol.LAUNCH_VARIABLES}
+            out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                                 capture_output=True, text=True, timeout=120, env=clean)
+            count = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+        _GPU_COUNTS[key] = count
     return _GPU_COUNTS[key]
 
 
-_GPU_COUNTS: dict[tuple, int] = {}  # asked once per kernel: the answer costs a torch import
+_GPU_COUNTS: dict[tuple, int] = {}  # asked once per kernel and visibility setting
 _NOTED: set[str] = set()
 
 
 def _may_have_gpus() -> bool:
-    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never pays
-    for asking torch."""
+    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never
+    pays for asking torch."""
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
                                            "/dev/dxg"))
-
-
-def _one_gpu_fallback(nproc_per_node: int) -> str | None:
-    """A note when a script left to choose would pick NCCL with fewer GPUs than ranks per node (one GPU, two
-    ranks: a Colab or laptop GPU): rank 1 would ask for a GPU that does not exist, so such a launch runs on gloo."""
-    gpus = _gpu_count(sys.executable) if _may_have_gpus() else 0
-    if not 0 < gpus < nproc_per_node:
-        return None
-    return (f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than that "
-            f"runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) per node.")
 
 
 def _warm_env(env: Mapping[str, str]) -> dict[str, str]:

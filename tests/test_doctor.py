@@ -42,6 +42,22 @@ def test_missing_gloo_interface_is_named_before_any_launch():
     assert {c["name"]: c["status"] for c in report["checks"]}["network settings"] == "fail", report
 
 
+def test_the_gpu_line_says_what_a_launch_gets(monkeypatch):
+    """The doctor's GPU line follows environment.launch_backend, as the launcher does (no GPU here: faked)."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    for gpus, nccl, status, words in [(0, True, "pass", "no GPU: the notebooks use gloo on the CPU"),
+                                      (1, True, "pass", "the notebooks' 2-rank launches run on gloo and the CPU"),
+                                      (2, True, "pass", "2 GPU(s) (Fake GPU, Fake GPU), NCCL available"),
+                                      (1, False, "warn", "this torch has no NCCL, which the scripts pick")]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        monkeypatch.setattr(dist, "is_nccl_available", lambda nccl=nccl: nccl)
+        check = doctor.check_gpus()
+        assert check.status == status and words in check.detail, (gpus, nccl, check)
+
+
 def test_version_comparison_ignores_local_suffix_only():
     assert doctor.compare_version("torch", "2.13.0+cpu", "2.14.1").status == "fail"
     assert doctor.compare_version("torch", "2.14.1+cu130", "2.14.1").status == "pass"

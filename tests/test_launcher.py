@@ -384,9 +384,48 @@ def test_missing_script_says_what_to_do(tmp_path):
 
 @pytest.mark.skipif(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "x" or Path("/dev/nvidia0").exists(),
                     reason="this machine may have GPUs")
-def test_nccl_without_gpus_gives_advice(script):
+def test_nccl_without_gpus_gives_advice(script, monkeypatch):
+    def no_python(*args, **kwargs):
+        raise AssertionError(f"a fresh Python was started to count GPUs: {args}")
+
+    monkeypatch.setattr(launcher.subprocess, "run", no_python)  # no GPU driver here: nothing to ask
     with pytest.raises(RuntimeError, match=r"backend='nccl' needs one GPU per rank.*backend='gloo'"):
         torchrun(script(HELLO), nproc_per_node=2, backend="nccl")
+
+
+def test_the_warm_process_counts_the_gpus(script, monkeypatch):
+    """Where a GPU driver exists, a warm launch asks the warm process (torch imported, counting through NVML without
+    initialising CUDA), and a fresh Python only where NVML cannot tell (MIG; here: no NVIDIA library at all)."""
+    from ddp_helpers import _warm
+
+    asked, fresh = [], []
+    real_count = _warm.WarmProcess.count_gpus
+    monkeypatch.setattr(_warm.WarmProcess, "count_gpus", lambda self: asked.append(real_count(self)) or asked[-1])
+    monkeypatch.setattr(launcher.subprocess, "run", lambda *a, **k: fresh.append(a) or subprocess.CompletedProcess(
+        a, 0, f"{torch_gpu_count()}\n", ""))
+    monkeypatch.setattr(launcher, "_may_have_gpus", lambda: True)
+    monkeypatch.setattr(launcher, "_GPU_COUNTS", {})
+    env = launcher._plan(script=script(HELLO), backend="gloo", live=False).env  # a launch's own environment
+    assert launcher._gpu_count(env, warm=True) == torch_gpu_count()
+    assert asked == [torch_gpu_count() if _has_nvml() else None], asked
+    assert len(fresh) == (asked == [None]), fresh
+    assert launcher._gpu_count(env, warm=True) == torch_gpu_count() and len(asked) == 1, "asked once per setting"
+
+
+def torch_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _has_nvml() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def test_warns_when_ranks_exceed_cores(script, monkeypatch):
@@ -412,8 +451,7 @@ def test_backend_is_passed_to_the_script(script):
 ])
 def test_fewer_gpus_than_ranks_runs_on_gloo(script, monkeypatch, capsys, gpus, nproc, backend, expected):
     monkeypatch.delenv("DDP_BACKEND", raising=False)
-    monkeypatch.setattr(launcher, "_may_have_gpus", lambda: True)
-    monkeypatch.setattr(launcher, "_gpu_count", lambda python: gpus)
+    monkeypatch.setattr(launcher, "_gpu_count", lambda env, warm: gpus)
     monkeypatch.setattr(launcher, "_NOTED", set())
     job = launcher._plan(script=script(HELLO), nproc_per_node=nproc, live=False, backend=backend, warm=False)
     assert job.env.get("DDP_BACKEND") == expected, job.env.get("DDP_BACKEND")
@@ -457,6 +495,28 @@ def test_describe_environment(capsys):
     assert info["torch"] in out and f"CPU cores: {os.cpu_count()}" in out
     assert info["backend"] == ("nccl" if info["gpu_count"] else "gloo")
     assert f"backend={info['backend']!r}" in out
+
+
+def test_describe_environment_says_what_a_launch_gets(monkeypatch, capsys):
+    """One GPU: a script alone picks NCCL, but a 2-rank launch runs on gloo (faked GPU: none here)."""
+    import torch
+
+    from ddp_helpers import describe_environment, environment
+
+    monkeypatch.delenv("DDP_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    info = describe_environment()
+    assert (info["backend"], info["device"], info["launch_backend"]) == ("nccl", "cuda", "gloo"), info
+    assert ("The scripts pick backend='nccl' on device='cuda' with up to 1 rank(s) per node; a launch of 2 ranks "
+            "per node runs on backend='gloo' and the CPU") in capsys.readouterr().out
+    assert describe_environment(verbose=False, nproc_per_node=1)["launch_backend"] == "nccl"
+    assert environment.launch_backend(2, 0) == ("gloo", None)  # no GPU: the scripts choose gloo themselves
+    assert environment.launch_backend(2, 2) == ("nccl", None)
+    assert environment.launch_backend(2, 1) == ("gloo", "gloo")  # handed to the ranks as DDP_BACKEND
+    assert environment.launch_backend(2, 1, requested="nccl") == ("nccl", "nccl")  # the launcher refuses it first
+    assert environment.launch_backend(2, 1, preset="nccl") == ("nccl", None)  # DDP_BACKEND set: the scripts read it
 
 
 PROBE = """

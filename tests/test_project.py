@@ -215,6 +215,16 @@ def test_setup_copies_agree_or_differ_only_as_listed():
         f"the copies of save_atomically differ: {sorted(saves)}")
 
 
+def test_choose_backend_applies_the_scripts_own_rule():
+    """environment.choose_backend answers for the scripts: its backend expression is theirs, node for node."""
+    def rule(function: ast.FunctionDef) -> str:
+        return next(ast.dump(s.value) for s in function.body
+                    if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "backend")
+
+    scripts = {rule(_functions(p)["setup"]) for p in SCRIPTS if "setup" in _functions(p)}
+    assert scripts == {rule(_functions(REPO / "ddp_helpers" / "environment.py")["choose_backend"])}, scripts
+
+
 def test_the_launch_protocol_is_spelled_only_in_its_module():
     protocol = (REPO / "ddp_helpers" / "_protocol.py").read_text()
     for path in sorted((REPO / "ddp_helpers").glob("*.py")):

@@ -62,6 +62,8 @@ def test_an_exit_that_arrives_with_the_pid_is_not_lost(tmp_path):
     protocol.pack_message({"argv": [], "env": {}, "cwd": "/"})[:-5],  # the client leaves mid-message
     b"\x00\x00\x00\x05{not",  # a whole message that is not JSON
     b"\x00",  # not even a whole length
+    protocol.pack_message([1, 2]),  # JSON, but not a request
+    protocol.pack_message({"count_gpus": True}),  # a question that takes no descriptors, sent with three
 ])
 def test_a_bad_request_is_answered_and_leaks_nothing(request_bytes):
     pytest.importorskip("torch")  # the warm process's side imports torch
