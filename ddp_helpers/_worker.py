@@ -2,7 +2,8 @@
 
 Torchrun has no way to give each *global* rank its own pair of log files, a stack dump on
 demand, or a link to the notebook kernel's lifetime, so this wrapper adds exactly those three
-things and then runs the script unchanged as ``__main__``. It must not import torch.
+things (and a process name, ``rank0 train``, that ``ps``, ``top`` and ``pgrep`` show), then runs
+the script unchanged as ``__main__``. It must not import torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ddp_helpers import _protocol as protocol
 
 
 MAIN_PROCESS = None  # set by the warm process (_warm.serve): its _internals.MainProcess, restored in each rank
+COMM_LENGTH = 15  # Linux keeps a process name of at most 15 bytes (TASK_COMM_LEN, with its NUL)
 
 
 def _write_status(path: str, **fields: object) -> None:
@@ -40,6 +42,7 @@ def main(argv: list[str]) -> None:
         os.dup2(target, fd)
         os.close(target)
     faulthandler.register(protocol.STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    name_process(f"rank{rank} {os.path.splitext(os.path.basename(script))[0]}")
 
     status = protocol.rank_file(run_dir, rank, "status")
     _write_status(
@@ -69,6 +72,16 @@ def main(argv: list[str]) -> None:
         raise
     finally:
         _write_status(status, event="exit", code=code, time=time.time())
+
+
+def name_process(name: str) -> None:
+    """Name this process as ``ps -o comm``, ``top``, ``pgrep`` and ``/proc/PID/comm`` show it (Linux; elsewhere
+    nothing changes). A warm rank is a fork of the warm process and would otherwise look like it."""
+    try:
+        with open("/proc/self/comm", "wb") as f:
+            f.write(name.encode()[:COMM_LENGTH])
+    except OSError:
+        pass
 
 
 def forked(*python_args: str) -> None:

@@ -539,6 +539,7 @@ PROBE = """
         "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
         "unbuffered": sys.stdout.write_through, "random": random.random(), "torch_seed": torch.initial_seed(),
         "cuda": cuda, "cuda_available": torch.cuda.is_available(),
+        "comm": open("/proc/self/comm").read().strip(),  # what ps -o comm, top and pgrep show
     }))
 """
 
@@ -553,6 +554,7 @@ def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
     for c, w in zip(cold, warm):
         assert c == w, (c, w)
     assert cold[0]["process"] == "MainProcess" and cold[0]["env"]["OMP_NUM_THREADS"] == "1" and cold[0]["threads"] == 1
+    assert [r["comm"] for r in cold] == ["rank0 probe", "rank1 probe"], cold  # warm too: a rank is findable by name
 
 
 def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, capsys):
