@@ -121,6 +121,25 @@ def test_readme_commands_and_ci_agree():
     assert "site/" in (REPO / ".gitignore").read_text().splitlines()
 
 
+def test_the_site_config_is_written_by_a_yaml_library(tmp_path, monkeypatch):
+    """tools/build_site.py's mkdocs.yml survives folder names YAML would misread if pasted into text (': ', '#')."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_site", REPO / "tools" / "build_site.py")
+    build_site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_site)
+    odd = tmp_path / "a: b #c"
+    (odd / "notebooks" / "zh-CN").mkdir(parents=True)
+    (odd / "notebooks" / "zh-CN" / "00_x.ipynb").write_text("{}")
+    (tmp_path / "build").mkdir()
+    monkeypatch.setattr(build_site, "SOURCE", odd)
+    monkeypatch.setattr(build_site, "ROOT", tmp_path)
+    config = yaml.safe_load(build_site.mkdocs_config(["notebooks/00_x.ipynb"], odd / "site").read_text())
+    assert config["docs_dir"] == str(odd) and config["site_dir"] == str(odd / "site"), config
+    assert config["nav"][1] == {"Notebooks": ["notebooks/00_x.ipynb"]}, config["nav"]
+    assert config["nav"][3] == {"中文": ["README.zh-CN.md", "notebooks/zh-CN/00_x.ipynb", {"参考答案": []}]}
+
+
 def test_readme_lists_every_notebook():
     text = (REPO / "README.md").read_text()
     for nb in NOTEBOOKS:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -129,42 +130,40 @@ def gather() -> list[str]:
 
 def mkdocs_config(nav: list[str], out: Path) -> Path:
     """mkdocs.yml for the gathered sources: English, then the Chinese edition, then the rest."""
-    def entries(paths: list[str], indent: str) -> str:
-        return "".join(f"{indent}- {p}\n" for p in paths)
-
     main = [p for p in nav if "/solutions/" not in p]
     solutions = [p for p in nav if "/solutions/" in p]
     zh = [p.replace("notebooks/", "notebooks/zh-CN/", 1) for p in nav
           if (SOURCE / p.replace("notebooks/", "notebooks/zh-CN/", 1)).is_file()]
     scripts = sorted(f"notebooks/scripts/{p.name}" for p in (SOURCE / "notebooks" / "scripts").glob("*.md"))
-    config = ROOT / "build" / "mkdocs.yml"
-    config.write_text(f"""site_name: ddp-notebooks
-site_description: PyTorch DistributedDataParallel, one concept per notebook, every claim proven by a cell that runs
-docs_dir: {SOURCE}
-site_dir: {out}
-use_directory_urls: false  # plain .html files: the site also opens from disk
-theme:
-  name: material
-  font: false  # the reader's own fonts: the site loads nothing from the network
-  features: [navigation.footer]  # previous / next at the bottom of every page
-plugins:
-  - mkdocs-jupyter:
-      execute: false  # executed once, above
-      include_source: true
-markdown_extensions: [tables, fenced_code, admonition]
-nav:
-  - Home: index.md
-  - Notebooks:
-{entries(main, "      ")}  - Solutions:
-{entries(solutions, "      ")}  - 中文:
-      - README.zh-CN.md
-{entries([p for p in zh if '/solutions/' not in p], "      ")}      - 参考答案:
-{entries([p for p in zh if '/solutions/' in p], "          ")}  - Scripts:
-{entries(scripts, "      ")}  - SEED_POST.md
-  - WORKSHOP.md
-  - CONTRIBUTING.md
-""", encoding="utf-8")
-    return config
+    config = {
+        "site_name": "ddp-notebooks",
+        "site_description": ("PyTorch DistributedDataParallel, one concept per notebook, every claim proven by a "
+                             "cell that runs"),
+        "docs_dir": str(SOURCE),
+        "site_dir": str(out),
+        "use_directory_urls": False,  # plain .html files: the site also opens from disk
+        "theme": {
+            "name": "material",
+            "font": False,  # the reader's own fonts: the site loads nothing from the network
+            "features": ["navigation.footer"],  # previous / next at the bottom of every page
+        },
+        "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True}}],  # executed once, above
+        "markdown_extensions": ["tables", "fenced_code", "admonition"],
+        "nav": [
+            {"Home": "index.md"},
+            {"Notebooks": main},
+            {"Solutions": solutions},
+            {"中文": ["README.zh-CN.md", *[p for p in zh if "/solutions/" not in p],
+                      {"参考答案": [p for p in zh if "/solutions/" in p]}]},
+            {"Scripts": scripts},
+            "SEED_POST.md",
+            "WORKSHOP.md",
+            "CONTRIBUTING.md",
+        ],
+    }
+    path = ROOT / "build" / "mkdocs.yml"
+    path.write_text(yaml.safe_dump(config, allow_unicode=True, sort_keys=False, width=120), encoding="utf-8")
+    return path
 
 
 def main() -> int:
