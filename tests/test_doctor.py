@@ -28,16 +28,22 @@ def test_doctor_passes_here():
     assert "✓ 2-rank all_reduce: torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks" in text.stdout
 
 
-def test_missing_gloo_interface_is_named_before_any_launch():
-    out = doctor_run(GLOO_SOCKET_IFNAME="nosuchif0")
-    text = out.stdout + out.stderr
-    assert out.returncode == 1, text
+def test_missing_gloo_interface_is_named_before_any_launch(monkeypatch, capsys):
+    """In-process (the doctor as a command is test_doctor_passes_here's): a bad GLOO_SOCKET_IFNAME fails its line
+    and the 2-rank job is not even started."""
+    for name in doctor.STALE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif0")
+    assert doctor.main([]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
     assert any(line.startswith("✗") and "GLOO_SOCKET_IFNAME" in line and "nosuchif0" in line
                for line in text.splitlines()), text
     assert "unset GLOO_SOCKET_IFNAME or set it to one of lo" in text
     assert "✗ 2-rank all_reduce: not run" in text  # short-circuited: no job was started
     assert "Traceback" not in text
-    report = json.loads(doctor_run("--json", GLOO_SOCKET_IFNAME="nosuchif0").stdout)  # one object, for a room
+    assert doctor.main(["--json"]) == 1
+    report = json.loads(capsys.readouterr().out)  # one object, for a room
     assert report["ok"] is False and [c["name"] for c in report["checks"]] == NAMES, report
     assert {c["name"]: c["status"] for c in report["checks"]}["network settings"] == "fail", report
 
