@@ -43,6 +43,7 @@ failures = 0
 
 def check(name: str):
     """Run the decorated function now, print its JSON line, and count a failure instead of stopping."""
+
     def wrap(fn):
         global failures
         if cli.only and not any(word in name for word in cli.only):
@@ -55,28 +56,43 @@ def check(name: str):
             detail, ok = {"error": f"{type(e).__name__}: {e}"[:3000]}, False
             traceback.print_exc()
         failures += not ok
-        print(json.dumps({"check": name, "ok": ok, "seconds": round(time.monotonic() - started, 1), **detail}),
-              flush=True)
+        print(
+            json.dumps({"check": name, "ok": ok, "seconds": round(time.monotonic() - started, 1), **detail}),
+            flush=True,
+        )
         return fn
+
     return wrap
 
 
 def run(script: str, *args: str, nproc: int = 1, timeout: float = 300, **kw):
-    return torchrun(f"scripts/{script}", *args, nproc_per_node=nproc, timeout=timeout, cwd=NOTEBOOKS, live=False, **kw)
+    return torchrun(
+        f"scripts/{script}", *args, nproc_per_node=nproc, timeout=timeout, cwd=NOTEBOOKS, live=False, **kw
+    )
 
 
 def capstone_data() -> Path:
-    return make_image_folder(NOTEBOOKS / "data" / "capstone", num_classes=4, images_per_class=64, size=16, seed=0,
-                             val_fraction=0.25)
+    return make_image_folder(
+        NOTEBOOKS / "data" / "capstone",
+        num_classes=4,
+        images_per_class=64,
+        size=16,
+        seed=0,
+        val_fraction=0.25,
+    )
 
 
 def final_weights(folder: str) -> dict:
     import torch
-    return torch.load(NOTEBOOKS / "runs" / "gpu08" / folder / "last.pt", map_location="cpu", weights_only=True)["model"]
+
+    return torch.load(
+        NOTEBOOKS / "runs" / "gpu08" / folder / "last.pt", map_location="cpu", weights_only=True
+    )["model"]
 
 
 def same_weights(a: str, b: str) -> bool:
     import torch
+
     wa, wb = final_weights(a), final_weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -87,7 +103,9 @@ parser.add_argument("--skip-notebooks", action="store_true", help="only the scri
 parser.add_argument("--solutions", action="store_true", help="also the solutions notebooks")
 parser.add_argument("--jobs", type=int, default=5, help="notebooks run at once")
 parser.add_argument("--notebook-timeout", type=int, default=420, help="seconds for one notebook")
-parser.add_argument("--notebook-glob", default="0*.ipynb", help="which notebooks (in notebooks/ and solutions/)")
+parser.add_argument(
+    "--notebook-glob", default="0*.ipynb", help="which notebooks (in notebooks/ and solutions/)"
+)
 parser.add_argument("--only", nargs="*", help="run only the checks whose names contain one of these words")
 cli = parser.parse_args()
 
@@ -101,9 +119,16 @@ NPROC = max(1, min(2, gpus))  # NCCL needs one GPU per rank
 @check("environment")
 def _():
     import torch
+
     nccl = torch.cuda.nccl.version() if gpus else None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": info["gpus"], "python": info["python"],
-            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl, "cpu_count": info["cpu_count"]}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": info["gpus"],
+        "python": info["python"],
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        "cpu_count": info["cpu_count"],
+    }
 
 
 @check("08 fp16 + GradScaler + --deterministic: a crash restarted by torchrun resumes bit-identical")
@@ -114,25 +139,44 @@ def _():
     det = ["--deterministic"]
     first = run("08_train.py", *common, *det, *out("det_a"), nproc=NPROC).records()
     run("08_train.py", *common, *det, *out("det_b"), nproc=NPROC)
-    restarted = run("08_train.py", *common, *det, "--resume", "--crash-after-epoch", "1", *out("det_restart"),
-                    nproc=NPROC, torchrun_args=["--max-restarts=1"]).records()
+    restarted = run(
+        "08_train.py",
+        *common,
+        *det,
+        "--resume",
+        "--crash-after-epoch",
+        "1",
+        *out("det_restart"),
+        nproc=NPROC,
+        torchrun_args=["--max-restarts=1"],
+    ).records()
     run("08_train.py", *common, *out("free_a"), nproc=NPROC)
     run("08_train.py", *common, *out("free_b"), nproc=NPROC)
     starts = [(r["attempt"], r["start_epoch"]) for r in restarted if r.get("event") == "start"]
     assert starts == [(0, 0), (1, 2)], starts  # torchrun restarted the job, which resumed at epoch 2
     start = next(r for r in first if r.get("event") == "start")
     import torch
-    scaler = torch.load(NOTEBOOKS / "runs" / "gpu08" / "det_a" / "last.pt", map_location="cpu",
-                        weights_only=True)["scaler"]
+
+    scaler = torch.load(
+        NOTEBOOKS / "runs" / "gpu08" / "det_a" / "last.pt", map_location="cpu", weights_only=True
+    )["scaler"]
     epoch = next(r for r in first if r.get("event") == "epoch")
-    seen = {"ranks": NPROC, "backend": start["backend"], "device": start["device"],
-            "scale_in_checkpoint": scaler.get("scale"), "dtypes": epoch.get("dtypes"),
-            "val_acc": [r for r in first if r.get("event") == "done"][0]["history"][-1]["val_acc"],
-            "restarted_equals_uninterrupted": same_weights("det_a", "det_restart"),
-            "two_deterministic_runs_equal": same_weights("det_a", "det_b"),
-            "two_runs_without_deterministic_equal": same_weights("free_a", "free_b")}
-    seen["ok"] = (start["backend"] == "nccl" and seen["restarted_equals_uninterrupted"]
-                  and seen["two_deterministic_runs_equal"])
+    seen = {
+        "ranks": NPROC,
+        "backend": start["backend"],
+        "device": start["device"],
+        "scale_in_checkpoint": scaler.get("scale"),
+        "dtypes": epoch.get("dtypes"),
+        "val_acc": [r for r in first if r.get("event") == "done"][0]["history"][-1]["val_acc"],
+        "restarted_equals_uninterrupted": same_weights("det_a", "det_restart"),
+        "two_deterministic_runs_equal": same_weights("det_a", "det_b"),
+        "two_runs_without_deterministic_equal": same_weights("free_a", "free_b"),
+    }
+    seen["ok"] = (
+        start["backend"] == "nccl"
+        and seen["restarted_equals_uninterrupted"]
+        and seen["two_deterministic_runs_equal"]
+    )
     return seen
 
 
@@ -155,7 +199,9 @@ def _():
     return {"records": recs[:2]}
 
 
-@check("backend='nccl' with more ranks than GPUs gives advice; left to the script, such a launch runs on gloo")
+@check(
+    "backend='nccl' with more ranks than GPUs gives advice; left to the script, such a launch runs on gloo"
+)
 def _():
     try:
         run("00_hello.py", nproc=gpus + 1, backend="nccl")
@@ -180,8 +226,14 @@ def scripts_exit_zero(cases: list[tuple[str, list[str]]], nproc: int = 1) -> dic
 @check("02 sampler cases on one GPU")
 def _():
     make_image_folder(NOTEBOOKS / "data" / "shapes", num_classes=4, images_per_class=5, size=16, seed=0)
-    return scripts_exit_zero([("02_sampler.py", ["--cases", "grid,rank_source,image_folder,evaluate,global_batch",
-                                                 "--data", "data/shapes"])])
+    return scripts_exit_zero(
+        [
+            (
+                "02_sampler.py",
+                ["--cases", "grid,rank_source,image_folder,evaluate,global_batch", "--data", "data/shapes"],
+            )
+        ]
+    )
 
 
 @check("03 real nn.SyncBatchNorm on CUDA, 1 rank (NCCL)")
@@ -195,17 +247,28 @@ def _():
 
 @check("03 real nn.SyncBatchNorm on CUDA, 2 ranks sharing the GPU over gloo")
 def _():
-    recs = run("03_sync_batchnorm.py", "--device", "cuda", "--impl", "torch", nproc=2, backend="gloo").records()
+    recs = run(
+        "03_sync_batchnorm.py", "--device", "cuda", "--impl", "torch", nproc=2, backend="gloo"
+    ).records()
     ref = [r for r in recs if r.get("case") == "reference"]
-    assert len(ref) == 2 and all(r["impl"] == "torch" and max(r["max_abs_diff"].values()) < 1e-4 for r in ref), ref
+    assert len(ref) == 2 and all(
+        r["impl"] == "torch" and max(r["max_abs_diff"].values()) < 1e-4 for r in ref
+    ), ref
     return {"reference": ref}
 
 
 @check("04, 05, 07 scripts exit 0 on one GPU")
 def _():
-    return scripts_exit_zero([("04_ddp.py", []), ("04_seed_snippet.py", []), ("05_launch.py", []),
-                              ("05_elastic.py", ["--snapshot", "runs/gpu05.pt"]), ("07_gallery.py", []),
-                              ("07_tools.py", [])])
+    return scripts_exit_zero(
+        [
+            ("04_ddp.py", []),
+            ("04_seed_snippet.py", []),
+            ("05_launch.py", []),
+            ("05_elastic.py", ["--snapshot", "runs/gpu05.pt"]),
+            ("07_gallery.py", []),
+            ("07_tools.py", []),
+        ]
+    )
 
 
 @check("06 capstone on one GPU: NCCL, SyncBatchNorm, learns; figures")
@@ -215,11 +278,14 @@ def _():
     done = next(r for r in recs if r["event"] == "done")
     assert start["backend"] == "nccl" and start["device"] == "cuda:0", start
     assert done["val_acc"] >= 0.9, done
-    big = make_image_folder(NOTEBOOKS / "data" / "bench", num_classes=4, images_per_class=320, size=32, seed=0,
-                            val_fraction=0.2)
+    big = make_image_folder(
+        NOTEBOOKS / "data" / "bench", num_classes=4, images_per_class=320, size=32, seed=0, val_fraction=0.2
+    )
     common = ["--data", str(big), "--num-epochs", "4", "--batch-size", "32"]
-    figures = {name: round(capstone_scaling.run(f"{name} @{capstone_scaling.SPLIT}", common))
-               for name in ("DDP 1 rank", "plain python")}  # measured as the scaling benchmark measures them
+    figures = {
+        name: round(capstone_scaling.run(f"{name} @{capstone_scaling.SPLIT}", common))
+        for name in ("DDP 1 rank", "plain python")
+    }  # measured as the scaling benchmark measures them
     return {"val_acc": done["val_acc"], "samples_per_s": figures}
 
 
@@ -233,30 +299,58 @@ def run_notebook(nb: Path, logs: Path) -> dict:
             shutil.copy2(ROOT / rel, Path(tmp) / rel)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))}
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
-                               "--nbmake", f"--nbmake-timeout={cli.notebook_timeout}", str(nb.relative_to(ROOT))],
-                              cwd=tmp, env=env, capture_output=True, text=True, timeout=cli.notebook_timeout + 120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                "addopts=",
+                "-q",
+                "--nbmake",
+                f"--nbmake-timeout={cli.notebook_timeout}",
+                str(nb.relative_to(ROOT)),
+            ],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=cli.notebook_timeout + 120,
+        )
     log = proc.stdout + proc.stderr
     (logs / f"{nb.stem}.log").write_text(log)
     tail = [line for line in log.splitlines() if line.strip()][-12:]
-    return {"notebook": str(nb.relative_to(NOTEBOOKS)), "ok": proc.returncode == 0,
-            "seconds": round(time.monotonic() - started, 1), **({} if proc.returncode == 0 else {"tail": tail})}
+    return {
+        "notebook": str(nb.relative_to(NOTEBOOKS)),
+        "ok": proc.returncode == 0,
+        "seconds": round(time.monotonic() - started, 1),
+        **({} if proc.returncode == 0 else {"tail": tail}),
+    }
 
 
 if not cli.skip_notebooks:
+
     @check("every notebook top to bottom under nbmake")
     def _():
         logs = cli.out or Path(tempfile.mkdtemp(prefix="gpu_check_logs_"))
         logs.mkdir(parents=True, exist_ok=True)
         chosen = sorted(NOTEBOOKS.glob(cli.notebook_glob)) + (
-            sorted((NOTEBOOKS / "solutions").glob(cli.notebook_glob)) if cli.solutions else [])
+            sorted((NOTEBOOKS / "solutions").glob(cli.notebook_glob)) if cli.solutions else []
+        )
         with ThreadPoolExecutor(max_workers=cli.jobs) as pool:
             results = list(pool.map(lambda nb: run_notebook(nb, logs), chosen))
         for r in results:
             print(json.dumps({"notebook_result": r}), flush=True)
-        return {"passed": sum(r["ok"] for r in results), "of": len(results),
-                "failed": [r["notebook"] for r in results if not r["ok"]], "logs": str(logs),
-                "ok": all(r["ok"] for r in results)}
+        return {
+            "passed": sum(r["ok"] for r in results),
+            "of": len(results),
+            "failed": [r["notebook"] for r in results if not r["ok"]],
+            "logs": str(logs),
+            "ok": all(r["ok"] for r in results),
+        }
+
 
 if cli.out:
     cli.out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,12 @@ dist.all_reduce(t)
 print(t.item())
 dist.destroy_process_group()
 """
-GOALS = {"torchrun(..., warm=False)": 1.05, "CLI": 1.10, "warm, first launch": 1.0, "warm, later launches": 0.15}
+GOALS = {
+    "torchrun(..., warm=False)": 1.05,
+    "CLI": 1.10,
+    "warm, first launch": 1.0,
+    "warm, later launches": 0.15,
+}
 
 
 def _timed(fn) -> float:
@@ -39,7 +44,9 @@ def _timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     args = parser.parse_args()
@@ -55,13 +62,30 @@ def main() -> None:
             warm()
 
         ways = {
-            "raw torchrun": lambda: _timed(lambda: subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script],
-                check=True, capture_output=True)),
+            "raw torchrun": lambda: _timed(
+                lambda: subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        f"--nproc-per-node={n}",
+                        script,
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
+            ),
             "torchrun(..., warm=False)": lambda: _timed(
-                lambda: torchrun(script, nproc_per_node=n, live=False, timeout=300, warm=False)),
-            "CLI": lambda: _timed(lambda: subprocess.run(
-                [sys.executable, "-m", "ddp_helpers", f"--nproc-per-node={n}", script], check=True, capture_output=True)),
+                lambda: torchrun(script, nproc_per_node=n, live=False, timeout=300, warm=False)
+            ),
+            "CLI": lambda: _timed(
+                lambda: subprocess.run(
+                    [sys.executable, "-m", "ddp_helpers", f"--nproc-per-node={n}", script],
+                    check=True,
+                    capture_output=True,
+                )
+            ),
             "warm, first launch": lambda: _timed(warm_first),
             "warm, later launches": lambda: statistics.median(_timed(warm) for _ in range(3)),
         }
@@ -70,7 +94,7 @@ def main() -> None:
         names = list(ways)
         for i in range(args.rounds):
             # rotate, so no way always runs first; "later" always right after "first" (it needs a warm process)
-            order = names[i % len(names):] + names[:i % len(names)]
+            order = names[i % len(names) :] + names[: i % len(names)]
             if order.index("warm, later launches") < order.index("warm, first launch"):
                 order.remove("warm, later launches")
                 order.insert(order.index("warm, first launch") + 1, "warm, later launches")
@@ -83,8 +107,10 @@ def main() -> None:
     raw = times["raw torchrun"]
     for name, goal in GOALS.items():
         paired = statistics.median(t / r for t, r in zip(times[name], raw))
-        print(f"{name:26s} / raw torchrun: median of per-round ratios {paired:.3f} (goal <= {goal}); "
-              f"ratio of medians {statistics.median(times[name]) / statistics.median(raw):.3f}")
+        print(
+            f"{name:26s} / raw torchrun: median of per-round ratios {paired:.3f} (goal <= {goal}); "
+            f"ratio of medians {statistics.median(times[name]) / statistics.median(raw):.3f}"
+        )
 
 
 if __name__ == "__main__":

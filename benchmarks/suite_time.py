@@ -27,16 +27,21 @@ GOAL_SUITE, GOAL_NOTEBOOK = 60, 15
 def raw_launch(script: str) -> float:
     """Seconds for one raw torchrun launch of ``script`` on 2 ranks."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script],
+        check=True,
+        capture_output=True,
+    )
     return time.perf_counter() - start
 
 
 def suite(args: list[str], report: str) -> float:
     """Run pytest as the README does (from the repository root) with a JUnit report; return its wall time."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           *args], cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
+        cwd=ROOT,
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         print(f"(pytest exited with {done.returncode}: the figures below include the failures)")
@@ -47,8 +52,14 @@ def by_file(report: str) -> dict[str, float]:
     """Seconds per test file (unit tests) or notebook, from the JUnit report."""
     times: dict[str, float] = collections.defaultdict(float)
     for case in ET.parse(report).iter("testcase"):
-        name = case.get("classname", "?")  # "tests.test_launcher", or "notebooks.solutions.00_x.ipynb" for nbmake
-        path = name[:-6].replace(".", "/") + ".ipynb" if name.endswith(".ipynb") else name.replace(".", "/") + ".py"
+        name = case.get(
+            "classname", "?"
+        )  # "tests.test_launcher", or "notebooks.solutions.00_x.ipynb" for nbmake
+        path = (
+            name[:-6].replace(".", "/") + ".ipynb"
+            if name.endswith(".ipynb")
+            else name.replace(".", "/") + ".py"
+        )
         times[path] += float(case.get("time", 0))
     return times
 
@@ -64,18 +75,24 @@ def main() -> None:
         after = [raw_launch(script) for _ in range(3)]
         times = by_file(os.path.join(tmp, "report.xml"))
     unit = statistics.median(before + after)
-    print(f"\none raw 2-rank torchrun launch: {unit:.2f} s (median of 6: 3 before, 3 after the suite; "
-          f"{min(before + after):.2f}-{max(before + after):.2f})")
+    print(
+        f"\none raw 2-rank torchrun launch: {unit:.2f} s (median of 6: 3 before, 3 after the suite; "
+        f"{min(before + after):.2f}-{max(before + after):.2f})"
+    )
     print(f"{'part':64} {'seconds':>8} {'launch units':>13}")
     notebooks = {k: v for k, v in times.items() if k.endswith(".ipynb")}
     unit_tests = {k: v for k, v in times.items() if not k.endswith(".ipynb")}
     for name, seconds in sorted(unit_tests.items()) + sorted(notebooks.items()):
         flag = "  over the goal" if name.endswith(".ipynb") and seconds / unit > GOAL_NOTEBOOK else ""
         print(f"{name:64} {seconds:8.1f} {seconds / unit:13.1f}{flag}")
-    print(f"{'unit tests, together':64} {sum(unit_tests.values()):8.1f} {sum(unit_tests.values()) / unit:13.1f}")
+    print(
+        f"{'unit tests, together':64} {sum(unit_tests.values()):8.1f} {sum(unit_tests.values()) / unit:13.1f}"
+    )
     print(f"{'notebooks, together':64} {sum(notebooks.values()):8.1f} {sum(notebooks.values()) / unit:13.1f}")
-    print(f"{'the whole pytest run (wall)':64} {wall:8.1f} {wall / unit:13.1f}  (goal <= {GOAL_SUITE}; "
-          f"each notebook <= {GOAL_NOTEBOOK})")
+    print(
+        f"{'the whole pytest run (wall)':64} {wall:8.1f} {wall / unit:13.1f}  (goal <= {GOAL_SUITE}; "
+        f"each notebook <= {GOAL_NOTEBOOK})"
+    )
 
 
 if __name__ == "__main__":

@@ -21,22 +21,33 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--hogs", type=int, default=len(os.sched_getaffinity(0)))
     args, pytest_args = parser.parse_known_args()
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-            for _ in range(args.hogs)]
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(args.hogs)
+    ]
     outcomes = []
     try:
         for run in range(1, args.runs + 1):
             start = time.perf_counter()
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-                                  cwd=ROOT, capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
             outcomes.append(done.returncode == 0)
-            print(f"run {run}: {'passed' if done.returncode == 0 else 'FAILED'} in {time.perf_counter() - start:.0f} s "
-                  f"with {args.hogs} busy process(es): {summary}", flush=True)
+            print(
+                f"run {run}: {'passed' if done.returncode == 0 else 'FAILED'} in {time.perf_counter() - start:.0f} s "
+                f"with {args.hogs} busy process(es): {summary}",
+                flush=True,
+            )
             if done.returncode != 0:
                 print(done.stdout[-4000:], flush=True)
     finally:

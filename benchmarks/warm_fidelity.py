@@ -25,7 +25,11 @@ PER_LAUNCH = ("MASTER_PORT", "master_port", "TORCHELASTIC_RUN_ID")  # a new port
 
 def _untimed(value: object) -> object:
     if isinstance(value, dict):
-        return {k: _untimed(v) for k, v in value.items() if not any(t in k for t in TIMING) and k not in PER_LAUNCH}
+        return {
+            k: _untimed(v)
+            for k, v in value.items()
+            if not any(t in k for t in TIMING) and k not in PER_LAUNCH
+        }
     if isinstance(value, list):
         return [_untimed(v) for v in value]
     return value
@@ -42,8 +46,13 @@ def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs
         # Which exceptions the ranks raised; not which rank came first when several raise at once, nor the exit
         # code of a rank stopped while shutting down (now and then -6 or -15 instead of 1: see notebook 00).
         raised = sorted(set(re.findall(r"rank \d+ raised (\w+)", str(err))))
-        return {"failed": True, "raised": raised, "timed_out": err.timed_out, "stuck": err.stuck_ranks,
-                "records": _untimed(err.result.records())}
+        return {
+            "failed": True,
+            "raised": raised,
+            "timed_out": err.timed_out,
+            "stuck": err.stuck_ranks,
+            "records": _untimed(err.result.records()),
+        }
     return {"failed": False, "records": _untimed(result.records()), "exitcodes": result.exitcodes}
 
 
@@ -51,25 +60,59 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
     ("00_hello.py", ["--steps", "3"], {"nproc_per_node": 2}, []),
     ("00_crash.py", [], {"nproc_per_node": 2}, []),
     ("00_hang.py", [], {"nproc_per_node": 2, "stall_timeout": 3}, []),
-    ("01_checkpoints.py", ["--out", "runs/fidelity01", "--steps", "5"], {"nproc_per_node": 2, "backend": "gloo"},
-     ["runs/fidelity01"]),
-    ("02_sampler.py", ["--cases", "grid,image_folder,evaluate,global_batch", "--data", "data/shapes", "--batch-size",
-                       "3"], {"nproc_per_node": 3, "backend": "gloo"}, []),
+    (
+        "01_checkpoints.py",
+        ["--out", "runs/fidelity01", "--steps", "5"],
+        {"nproc_per_node": 2, "backend": "gloo"},
+        ["runs/fidelity01"],
+    ),
+    (
+        "02_sampler.py",
+        ["--cases", "grid,image_folder,evaluate,global_batch", "--data", "data/shapes", "--batch-size", "3"],
+        {"nproc_per_node": 3, "backend": "gloo"},
+        [],
+    ),
     ("03_sync_batchnorm.py", [], {"nproc_per_node": 2}, []),
     ("04_ddp.py", [], {"nproc_per_node": 2}, []),
     ("04_seed_snippet.py", [], {"nproc_per_node": 2}, []),
     ("05_seed_snippet.py", ["--world_size", "2"], {"nproc_per_node": 2, "backend": "gloo"}, []),
     ("05_launch.py", [], {"nproc_per_node": 2, "backend": "gloo"}, []),
-    ("05_elastic.py", ["--snapshot", "runs/fidelity05.pt", "--crash-at-epoch", "2"],
-     {"nproc_per_node": 2, "backend": "gloo", "torchrun_args": ["--max-restarts=1"]}, ["runs/fidelity05.pt"]),
-    ("06_train.py", ["--data", "data/capstone", "--num-epochs", "2", "--out", "runs/fidelity06", "--num-workers", "2"],
-     {"nproc_per_node": 2}, ["runs/fidelity06"]),
+    (
+        "05_elastic.py",
+        ["--snapshot", "runs/fidelity05.pt", "--crash-at-epoch", "2"],
+        {"nproc_per_node": 2, "backend": "gloo", "torchrun_args": ["--max-restarts=1"]},
+        ["runs/fidelity05.pt"],
+    ),
+    (
+        "06_train.py",
+        ["--data", "data/capstone", "--num-epochs", "2", "--out", "runs/fidelity06", "--num-workers", "2"],
+        {"nproc_per_node": 2},
+        ["runs/fidelity06"],
+    ),
     ("07_gallery.py", ["--checkpoint", "runs/fidelity07.pt"], {"nproc_per_node": 2, "backend": "gloo"}, []),
     ("07_gallery.py", ["--case", "early-exit", "--buggy"], {"nproc_per_node": 2, "backend": "gloo"}, []),
     ("07_tools.py", ["--case", "monitored-barrier"], {"nproc_per_node": 2, "backend": "gloo"}, []),
-    ("08_train.py", ["--data", "data/capstone", "--num-epochs", "2", "--out", "runs/fidelity08", "--amp", "bf16",
-                     "--num-workers", "2", "--persistent-workers", "--resume", "--crash-after-epoch", "0"],
-     {"nproc_per_node": 2, "torchrun_args": ["--max-restarts=1"]}, ["runs/fidelity08"]),
+    (
+        "08_train.py",
+        [
+            "--data",
+            "data/capstone",
+            "--num-epochs",
+            "2",
+            "--out",
+            "runs/fidelity08",
+            "--amp",
+            "bf16",
+            "--num-workers",
+            "2",
+            "--persistent-workers",
+            "--resume",
+            "--crash-after-epoch",
+            "0",
+        ],
+        {"nproc_per_node": 2, "torchrun_args": ["--max-restarts=1"]},
+        ["runs/fidelity08"],
+    ),
     ("08_memory.py", [], {"nproc_per_node": 2, "backend": "gloo"}, []),
 ]
 
@@ -89,8 +132,11 @@ def main() -> int:
         same = runs[False] == runs[True]
         differ += not same
         what = "failed alike" if runs[False].get("failed") else f"{len(runs[False]['records'])} records alike"
-        print(f"{'same' if same else 'DIFFERENT'}  {script} {' '.join(args)}: "
-              f"{what if same else runs}  ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"{'same' if same else 'DIFFERENT'}  {script} {' '.join(args)}: "
+            f"{what if same else runs}  ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
     print(f"{len(cases) - differ} of {len(cases)} launches reported the same warm and cold")
     return 1 if differ else 0
 

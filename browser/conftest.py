@@ -39,7 +39,9 @@ def chromium():
     """A headless Chromium: Debian's, since Playwright cannot download its own here (.ci/run installs it)."""
     if CHROMIUM is None:
         message = "no chromium on this machine: `apt-get install chromium` (.ci/run installs it)"
-        if os.environ.get("DDP_REQUIRE_BROWSER"):  # CI sets it: there, a missing browser is a failure, not a skip
+        if os.environ.get(
+            "DDP_REQUIRE_BROWSER"
+        ):  # CI sets it: there, a missing browser is a failure, not a skip
             pytest.fail(message)
         pytest.skip(message)
     from playwright.sync_api import sync_playwright

@@ -35,10 +35,25 @@ def lab(tmp_path):
     settings.mkdir(parents=True)
     # Render every cell, not only those in view (JupyterLab 4's default), so the page holds all outputs.
     (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
-    cmd = [sys.executable, "-m", "jupyterlab", *_readme_open_command(), "--no-browser", "--ServerApp.port=0",
-           "--IdentityProvider.token=", "--ServerApp.password="]
-    server = subprocess.Popen(cmd, cwd=tmp_path / "lab", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")})
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        *_readme_open_command(),
+        "--no-browser",
+        "--ServerApp.port=0",
+        "--IdentityProvider.token=",
+        "--ServerApp.password=",
+    ]
+    server = subprocess.Popen(
+        cmd,
+        cwd=tmp_path / "lab",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")},
+    )
     try:
         for line in server.stderr:
             if m := re.search(r"(http://127\.0\.0\.1:\d+/\S+)", line):
@@ -80,8 +95,15 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
     # The page shows "Idle" before its kernel is connected, and a Run All clicked then runs nothing: wait for the
     # kernel's first reply on the page's websocket instead.
     connected = []
-    page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: connected.append(
-        b"kernel_info_reply" in (frame if isinstance(frame, bytes) else frame.encode()))))
+    page.on(
+        "websocket",
+        lambda ws: ws.on(
+            "framereceived",
+            lambda frame: connected.append(
+                b"kernel_info_reply" in (frame if isinstance(frame, bytes) else frame.encode())
+            ),
+        ),
+    )
     page.goto(address)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=600_000)
     deadline = time.monotonic() + 600  # a safety net only: each wait below is for an event
@@ -99,7 +121,11 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
     text = _outputs(page)
     # An exception that reached the page is drawn by IPython as "Name   Traceback (most recent call last)" and
     # "Cell In[n], line m"; the failures the notebook provokes are caught, printed as text and asserted on.
-    raised = [line for line in text.splitlines() if re.match(r"\s*(\w+\s{2,}Traceback \(most recent call last\)|Cell In\[\d+\])", line)]
+    raised = [
+        line
+        for line in text.splitlines()
+        if re.match(r"\s*(\w+\s{2,}Traceback \(most recent call last\)|Cell In\[\d+\])", line)
+    ]
     assert not raised, raised
     assert "the job took" in text and "same records" in text, text[-2000:]
 
@@ -115,7 +141,9 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
     # Live: both ranks' lines are on the page while the job still runs (the cell shows [*]).
     for rank in (0, 1):
         hang.get_by_text(f'[rank {rank}] {{"rank": {rank}, "event": "ready"}}').wait_for(timeout=600_000)
-    assert hang.locator(".jp-InputArea-prompt").inner_text() == "[*]:", hang.locator(".jp-InputArea-prompt").inner_text()
+    assert hang.locator(".jp-InputArea-prompt").inner_text() == "[*]:", hang.locator(
+        ".jp-InputArea-prompt"
+    ).inner_text()
     _menu(page, "Kernel", "Interrupt Kernel")
     hang.get_by_text("ddp_helpers: interrupted").wait_for(timeout=600_000)
     assert "nothing is left running" in hang.inner_text(), hang.inner_text()[-1500:]

@@ -29,12 +29,25 @@ def _fetch(url: str) -> int:
 @pytest.fixture(scope="module")
 def site(free_port):
     """Build the site as the README's site command does (from the notebooks this run executed), then serve it."""
-    built = subprocess.run([sys.executable, "tools/build_site.py"], cwd=REPO, capture_output=True, text=True,
-                           timeout=3600)  # a safety net: it executes only notebooks the run did not
+    built = subprocess.run(
+        [sys.executable, "tools/build_site.py"], cwd=REPO, capture_output=True, text=True, timeout=3600
+    )  # a safety net: it executes only notebooks the run did not
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(free_port), "--bind", "127.0.0.1",
-                               "--directory", str(REPO / "site")], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "http.server",
+            str(free_port),
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            str(REPO / "site"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{free_port}/"
     try:
         while _fetch_or_none(base) != 200:  # until the server answers
@@ -56,7 +69,10 @@ def _fetch_or_none(url: str) -> int | None:
 def test_every_page_loads_shows_its_images_and_links_only_to_what_exists(chromium, site):
     page = chromium.new_page()
     problems: list[str] = []
-    page.on("console", lambda m: problems.append(f"console error on {page.url}: {m.text}") if m.type == "error" else None)
+    page.on(
+        "console",
+        lambda m: problems.append(f"console error on {page.url}: {m.text}") if m.type == "error" else None,
+    )
     page.on("pageerror", lambda e: problems.append(f"script error on {page.url}: {e}"))
     todo, seen, files = deque([site + "index.html"]), set(), set()
     while todo:
@@ -68,8 +84,10 @@ def test_every_page_loads_shows_its_images_and_links_only_to_what_exists(chromiu
         if response is None or not response.ok:
             problems.append(f"{url}: HTTP {response.status if response else 'no response'}")
             continue
-        broken = page.eval_on_selector_all("img", "imgs => imgs.filter(i => !(i.complete && i.naturalWidth > 0))"
-                                                  ".map(i => i.src.slice(0, 80))")
+        broken = page.eval_on_selector_all(
+            "img",
+            "imgs => imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src.slice(0, 80))",
+        )
         problems += [f"image that did not load on {url}: {src}" for src in broken]
         for href in page.eval_on_selector_all("a[href]", "links => links.map(a => a.href)"):
             target = href.split("#")[0]
@@ -95,8 +113,10 @@ def test_the_landing_pages_list_every_notebook(chromium, site):
 
 def test_a_notebook_page_shows_the_ranks_output_and_switches_language(chromium, site):
     page = chromium.new_page()
-    for url, other in (("notebooks/00_start_here.html", "zh-CN/00_start_here.html"),
-                       ("notebooks/zh-CN/00_start_here.html", "../00_start_here.html")):
+    for url, other in (
+        ("notebooks/00_start_here.html", "zh-CN/00_start_here.html"),
+        ("notebooks/zh-CN/00_start_here.html", "../00_start_here.html"),
+    ):
         page.goto(site + url)
         text = page.inner_text("body")
         assert "[rank 0]" in text and "[rank 1]" in text, f"{url} lacks the ranks' output"

@@ -33,11 +33,17 @@ def main(argv: list[str], warm: bool = False) -> int:
         torchrun_module.run(torchrun_module.parse_args(argv))
     except ChildFailedError as e:
         failures = {
-            str(rank): {"exitcode": f.exitcode, "signal": f.signal_name() if f.exitcode < 0 else None,
-                        "timestamp": f.timestamp, "local_rank": f.local_rank}
+            str(rank): {
+                "exitcode": f.exitcode,
+                "signal": f.signal_name() if f.exitcode < 0 else None,
+                "timestamp": f.timestamp,
+                "local_rank": f.local_rank,
+            }
             for rank, f in e.failures.items()
         }
-        with open(protocol.agent_file(os.environ[protocol.RUN_DIR], agent, "failures"), "w", encoding="utf-8") as f:
+        with open(
+            protocol.agent_file(os.environ[protocol.RUN_DIR], agent, "failures"), "w", encoding="utf-8"
+        ) as f:
             json.dump(failures, f)
         ranks = ", ".join(f"rank {r} (exit {v['exitcode']})" for r, v in sorted(failures.items()))
         print(f"torchrun: workers failed: {ranks}", file=sys.stderr)

@@ -64,8 +64,9 @@ def hold_lifeline(remove: str | None = None) -> None:
 
     parent = int(os.environ.get(PARENT_PID, "0"))
     if parent:
-        threading.Thread(target=_die_with_parent, args=(parent, remove), daemon=True,
-                         name="ddp_helpers-lifeline").start()
+        threading.Thread(
+            target=_die_with_parent, args=(parent, remove), daemon=True, name="ddp_helpers-lifeline"
+        ).start()
 
 
 def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
@@ -128,8 +129,8 @@ class MessageReader:
                 raise ValueError(f"a message of {size} bytes is not one of ours")
             if len(self._buffer) < _HEADER.size + size:
                 break
-            self.messages.append(json.loads(self._buffer[_HEADER.size:_HEADER.size + size]))
-            self._buffer = self._buffer[_HEADER.size + size:]
+            self.messages.append(json.loads(self._buffer[_HEADER.size : _HEADER.size + size]))
+            self._buffer = self._buffer[_HEADER.size + size :]
 
     def receive(self, conn: socket.socket) -> None:
         """One read from ``conn`` (call it when it is readable); EOFError when the other side has closed it."""

@@ -32,13 +32,32 @@ import time
 
 from ddp_helpers import _protocol as protocol
 
-COMMAND = [sys.executable, "-u", "-m", protocol.WARM_MODULE]  # how the warm process starts (its socket follows)
+COMMAND = [
+    sys.executable,
+    "-u",
+    "-m",
+    protocol.WARM_MODULE,
+]  # how the warm process starts (its socket follows)
 
 # Variables torch and its libraries read when torch is imported (or when a library is loaded): a warm
 # process imported torch under the values it started with, so a launch that needs other values runs cold.
-IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_",
-                        "LD_", "PYTHON")
-OWN = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # the same for every launch, or applied by each forked worker itself
+IMPORT_TIME_PREFIXES = (
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "NVIDIA_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "GOMP_",
+    "LD_",
+    "PYTHON",
+)
+OWN = (
+    "PYTHONUNBUFFERED",
+    "OMP_NUM_THREADS",
+)  # the same for every launch, or applied by each forked worker itself
 # Variables with those prefixes that torch reads only at run time, inside a function that a forked agent or
 # rank calls, so a warm launch honours them; each with the one torch source file that reads it (a test checks
 # that every read there is inside a function, and that no other file of torch names the variable).
@@ -49,7 +68,11 @@ RUN_TIME = {
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
     """The variables of ``env`` that only take effect when torch is imported."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in OWN and k not in RUN_TIME}
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(IMPORT_TIME_PREFIXES) and k not in OWN and k not in RUN_TIME
+    }
 
 
 # ---- the kernel's side -------------------------------------------------------------------------------------
@@ -68,9 +91,18 @@ class WarmProcess:
         self.env = dict(env)
         # Forks keep this process's first environment block, so /proc shows whose launches they are.
         env = {**env, protocol.WARM_OWNER: str(os.getpid())}
-        self.proc = subprocess.Popen([*COMMAND, self.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env, cwd=self.folder, start_new_session=True)
-        line = self.proc.stdout.readline().decode(errors="replace").strip()  # "ready": torch imported, listening
+        self.proc = subprocess.Popen(
+            [*COMMAND, self.address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=self.folder,
+            start_new_session=True,
+        )
+        line = (
+            self.proc.stdout.readline().decode(errors="replace").strip()
+        )  # "ready": torch imported, listening
         if line != "ready":
             self.close()
             if line.startswith("unsupported: "):
@@ -80,7 +112,9 @@ class WarmProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def start_agent(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int]) -> WarmAgent:
+    def start_agent(
+        self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int]
+    ) -> WarmAgent:
         """Fork an agent running ``torch.distributed.run`` with ``argv``; ``fds``: its lifeline, stdout, stderr."""
         conn, reader, reply = self._ask({"argv": argv, "env": env, "cwd": cwd}, list(fds))
         if "error" in reply:

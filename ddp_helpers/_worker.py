@@ -19,7 +19,9 @@ import types
 from ddp_helpers import _protocol as protocol
 
 
-MAIN_PROCESS = None  # set by the warm process (_warm.serve): its _internals.MainProcess, restored in each rank
+MAIN_PROCESS = (
+    None  # set by the warm process (_warm.serve): its _internals.MainProcess, restored in each rank
+)
 COMM_LENGTH = 15  # Linux keeps a process name of at most 15 bytes (TASK_COMM_LEN, with its NUL)
 
 
@@ -46,9 +48,15 @@ def main(argv: list[str]) -> None:
 
     status = protocol.rank_file(run_dir, rank, "status")
     _write_status(
-        status, event="start", rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        group_rank=int(os.environ.get("GROUP_RANK", 0)), pid=os.getpid(), pgid=os.getpgid(0),
-        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), time=time.time(),
+        status,
+        event="start",
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        group_rank=int(os.environ.get("GROUP_RANK", 0)),
+        pid=os.getpid(),
+        pgid=os.getpgid(0),
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        time=time.time(),
     )
     protocol.hold_lifeline()
 
@@ -63,7 +71,9 @@ def main(argv: list[str]) -> None:
     except Exception as e:
         # Report as Python would (through sys.excepthook, which torch may have wrapped), minus this wrapper's frames.
         code = 1
-        _write_status(status, event="exception", type=type(e).__name__, message=str(e)[:500], time=time.time())
+        _write_status(
+            status, event="exception", type=type(e).__name__, message=str(e)[:500], time=time.time()
+        )
         e = e.with_traceback(_user_frames(e.__traceback__))
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)
@@ -90,7 +100,7 @@ def forked(*python_args: str) -> None:
 
     args = list(python_args)
     _like_a_fresh_process()
-    main(args[args.index("ddp_helpers._worker") + 1:])
+    main(args[args.index("ddp_helpers._worker") + 1 :])
     atexit._run_exitfuncs()  # what the interpreter does when a script ends; the fork then exits at once
 
 
@@ -100,7 +110,11 @@ def _like_a_fresh_process() -> None:
     import random
     import signal
 
-    fresh = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}
+    fresh = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGPIPE: signal.SIG_IGN,
+        signal.SIGXFSZ: signal.SIG_IGN,
+    }
     for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
         try:
             signal.signal(sig, fresh.get(sig, signal.SIG_DFL))  # e.g. torchrun's SIGTERM handler in the agent
@@ -122,8 +136,10 @@ def _like_a_fresh_process() -> None:
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """Skip the leading traceback entries that belong to this wrapper and runpy."""
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
-                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+    ):
         tb = tb.tb_next
     return tb
 

@@ -78,14 +78,30 @@ def _draw(shape: str, colour: tuple[int, int, int], size: int, rng: random.Rando
 
 def _png(raw: bytes, size: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
     header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
 
 
-def make_image_folder(root: str | os.PathLike, num_classes: int = 4, images_per_class: int = 16,
-                      size: int = 16, seed: int = 0, val_fraction: float = 0.0) -> Path:
+def make_image_folder(
+    root: str | os.PathLike,
+    num_classes: int = 4,
+    images_per_class: int = 16,
+    size: int = 16,
+    seed: int = 0,
+    val_fraction: float = 0.0,
+) -> Path:
     """Write a small shapes-and-colours image dataset under ``root`` and return ``root`` as a Path.
 
     Layout (what ``torchvision.datasets.ImageFolder`` expects)::
@@ -105,11 +121,19 @@ def make_image_folder(root: str | os.PathLike, num_classes: int = 4, images_per_
         raise ValueError(f"val_fraction must be in [0, 1), not {val_fraction!r}")
     n_val = round(images_per_class * val_fraction)
     if val_fraction > 0 and not 0 < n_val < images_per_class:
-        raise ValueError(f"val_fraction={val_fraction} leaves no train or no val image out of {images_per_class}")
+        raise ValueError(
+            f"val_fraction={val_fraction} leaves no train or no val image out of {images_per_class}"
+        )
     names = class_names(num_classes)
     root = Path(root)
-    settings = {"num_classes": num_classes, "images_per_class": images_per_class, "size": size,
-                "seed": seed, "val_fraction": val_fraction, "version": 1}
+    settings = {
+        "num_classes": num_classes,
+        "images_per_class": images_per_class,
+        "size": size,
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "version": 1,
+    }
     if _written_with(root, settings):
         return root
     if root.exists() and not (root / _MARKER).exists() and any(root.iterdir()):

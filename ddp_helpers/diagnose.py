@@ -46,7 +46,9 @@ class RankRecord:
     started: bool = False  # the worker wrapper recorded the start of its script
     script_exit: int | None = None  # the exit code the script itself ended with (None: it never ended)
     raised: str | None = None  # the exception type, if the script raised
-    time: float = math.inf  # when it raised or ended (the wrapper's clock, else torch's whole-second timestamp)
+    time: float = (
+        math.inf
+    )  # when it raised or ended (the wrapper's clock, else torch's whole-second timestamp)
     exitcode: int | None = None  # how its process ended; None: unknown (stopped before anyone recorded it)
     alive: bool = False  # (a hang) its process still ran when the hang was caught
     stack: str | None = None  # (a hang) its faulthandler dump of every thread; None: none came back
@@ -61,8 +63,15 @@ class RankRecord:
         return self.raised is None and self.exitcode == -signal.SIGTERM
 
 
-def rank_record(rank: int, events: Sequence[Mapping], failure: Mapping | None = None, *, agents_ok: bool = False,
-                alive: bool = False, stack: str | None = None) -> RankRecord:
+def rank_record(
+    rank: int,
+    events: Sequence[Mapping],
+    failure: Mapping | None = None,
+    *,
+    agents_ok: bool = False,
+    alive: bool = False,
+    stack: str | None = None,
+) -> RankRecord:
     """One rank's record from its status events (``_protocol``: start, exception, exit) and torch's failure record
     for it, if any. Only the last attempt counts: a restart begins with a new ``start``. The exit code is torch's
     when it has one, else the script's own, else 0 when every agent succeeded (else unknown)."""
@@ -80,9 +89,16 @@ def rank_record(rank: int, events: Sequence[Mapping], failure: Mapping | None = 
     else:
         exitcode = script_exit if end else (0 if agents_ok else None)
     when = (raised or end or {}).get("time", (failure or {}).get("timestamp"))
-    return RankRecord(rank, started=start is not None, script_exit=script_exit,
-                      raised=raised["type"] if raised else None, time=math.inf if when is None else when,
-                      exitcode=exitcode, alive=alive, stack=stack)
+    return RankRecord(
+        rank,
+        started=start is not None,
+        script_exit=script_exit,
+        raised=raised["type"] if raised else None,
+        time=math.inf if when is None else when,
+        exitcode=exitcode,
+        alive=alive,
+        stack=stack,
+    )
 
 
 # ---- a failure: whom to blame -------------------------------------------------------------------------------
@@ -111,22 +127,32 @@ def failure_error(result: TorchrunResult, records: Mapping[int, RankRecord]) -> 
     failed = sorted((r for r in records.values() if r.failed), key=blame_order)
     if not failed:
         tail = "\n".join(result.agent_output[-20:])
-        return JobFailedError(f"torchrun itself failed (exit code {result.returncode}) before any rank "
-                              f"reported an error. Its last lines:\n{tail}", result)
+        return JobFailedError(
+            f"torchrun itself failed (exit code {result.returncode}) before any rank "
+            f"reported an error. Its last lines:\n{tail}",
+            result,
+        )
     first, others = failed[0], sorted(failed[1:], key=lambda r: r.rank)
     head = f"rank {first.rank} {describe_failure(first)}"
     if others:
         head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
-            f"rank {r.rank} {describe_failure(r)}" for r in others)
+            f"rank {r.rank} {describe_failure(r)}" for r in others
+        )
     early = [r.rank for r in records.values() if r.exitcode == 0]
     if early:
         names = ", ".join(f"rank {r}" for r in early)
-        head += (f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
-                 f"that leaves early (say, skipping a collective) makes its peers fail or hang")
+        head += (
+            f".\nNote: {names} exited normally (code 0) while the others were still running; a rank "
+            f"that leaves early (say, skipping a collective) makes its peers fail or hang"
+        )
     tb = last_traceback(result.stderr[first.rank])
     body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
-    return JobFailedError(f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}", result,
-                          rank=first.rank, exitcode=first.exitcode)
+    return JobFailedError(
+        f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}",
+        result,
+        rank=first.rank,
+        exitcode=first.exitcode,
+    )
 
 
 # ---- a hang: when, and whom to blame ----------------------------------------------------------------------------
@@ -148,8 +174,11 @@ class Watch:
             self.last_line = now
         if self.deadline is not None and now > self.deadline:
             return Hang("timeout", self.timeout)
-        if (self.stall_timeout is not None and every_rank_printed
-                and now - self.last_line > self.stall_timeout):
+        if (
+            self.stall_timeout is not None
+            and every_rank_printed
+            and now - self.last_line > self.stall_timeout
+        ):
             return Hang("stall", self.stall_timeout)
         return None
 
@@ -196,8 +225,10 @@ def describe_hung(record: RankRecord, script: str) -> str:
         code = "unknown" if record.script_exit is None else record.script_exit
         return f"rank {r} had already exited (exit code {code}) while its peers waited for it"
     if record.script_exit is not None:
-        return (f"rank {r} finished its script (exit code {record.script_exit}) but its process hangs "
-                f"while shutting down (a collective in an atexit hook, a destructor, destroy_process_group)")
+        return (
+            f"rank {r} finished its script (exit code {record.script_exit}) but its process hangs "
+            f"while shutting down (a collective in an atexit hook, a destructor, destroy_process_group)"
+        )
     found = _where(record, script)
     if found is None:
         return f"rank {r}: no stack dump arrived (it may be stuck in C code holding the GIL)"
@@ -222,11 +253,14 @@ def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecor
     spots = {(p.collective, p.script_frame.where() if p.script_frame else None) for p in places.values()}
     if len(spots) > 1:
         return list(records), "the ranks wait in different collectives or at different lines: a mismatch"
-    return list(records), ("every rank waits in the same collective: look for a peer outside this job or a "
-                           "network problem")
+    return list(records), (
+        "every rank waits in the same collective: look for a peer outside this job or a network problem"
+    )
 
 
-def hang_error(result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str) -> JobHungError:
+def hang_error(
+    result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str
+) -> JobHungError:
     """The error for a hung job: the rank(s) that caused it, from their stack dumps, and where the others waited."""
     stuck, why = culprits(records, script)
     lines = [f"{hang}; stuck: " + ", ".join(f"rank {r.rank}" for r in stuck) + f" ({why})."]
@@ -237,7 +271,9 @@ def hang_error(result: TorchrunResult, hang: Hang, records: Sequence[RankRecord]
         lines += [f"  {describe_hung(r, script)}" for r in waiting]
     lines.append("Every rank was killed. Full stacks: .stacks on this error; logs: .result.")
     stacks = {r.rank: r.stack or "" for r in records if r.alive}
-    return JobHungError("\n".join(lines), result, hang=hang, stuck_ranks=[r.rank for r in stuck], stacks=stacks)
+    return JobHungError(
+        "\n".join(lines), result, hang=hang, stuck_ranks=[r.rank for r in stuck], stacks=stacks
+    )
 
 
 # ---- reading what the ranks wrote -------------------------------------------------------------------------------
@@ -274,7 +310,7 @@ def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
     if not starts:
         return lines[-10:]
-    block = lines[starts[-1]:]
+    block = lines[starts[-1] :]
     # Frames are indented; the first line that is not is the exception itself ("ValueError: ...").
     end = next((i + 1 for i, line in enumerate(block[1:], 1) if line and not line[0].isspace()), len(block))
     kept, skipping = [], False
@@ -287,5 +323,7 @@ def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
             kept.append(line)
     if len(kept) > max_lines:
         cut = len(kept) - max_lines + 1
-        kept = [kept[0], f"  ... ({cut} lines cut; the whole log is on the error's .result)"] + kept[-(max_lines - 2):]
+        kept = [kept[0], f"  ... ({cut} lines cut; the whole log is on the error's .result)"] + kept[
+            -(max_lines - 2) :
+        ]
     return kept

@@ -70,8 +70,12 @@ def compare_version(name: str, installed: str, pinned: str | None) -> Check:
 def check_python() -> Check:
     """Python >= 3.10."""
     ok = sys.version_info >= MIN_PYTHON
-    return Check("python", "pass" if ok else "fail", f"Python {platform.python_version()} (need >= 3.10)",
-                 "" if ok else "create the virtual environment with Python 3.10 or newer (3.11 is tested)")
+    return Check(
+        "python",
+        "pass" if ok else "fail",
+        f"Python {platform.python_version()} (need >= 3.10)",
+        "" if ok else "create the virtual environment with Python 3.10 or newer (3.11 is tested)",
+    )
 
 
 def check_package(name: str) -> Check:
@@ -81,7 +85,9 @@ def check_package(name: str) -> Check:
     installed = metadata.version(name)
     constraints = REPO / "constraints.txt"
     if not constraints.is_file():
-        return Check(name, "pass", f"{installed} (constraints.txt not found next to the package: pin not compared)")
+        return Check(
+            name, "pass", f"{installed} (constraints.txt not found next to the package: pin not compared)"
+        )
     return compare_version(name, installed, read_pins(constraints).get(name))
 
 
@@ -90,8 +96,12 @@ def check_distributed() -> Check:
     import torch.distributed as dist
 
     ok = dist.is_available() and dist.is_gloo_available()
-    return Check("torch.distributed", "pass" if ok else "fail", "torch.distributed and gloo " +
-                 ("available" if ok else "not both available"), "" if ok else f"reinstall torch: {INSTALL}")
+    return Check(
+        "torch.distributed",
+        "pass" if ok else "fail",
+        "torch.distributed and gloo " + ("available" if ok else "not both available"),
+        "" if ok else f"reinstall torch: {INSTALL}",
+    )
 
 
 def missing_interfaces() -> tuple[list[str], list[str]]:
@@ -106,10 +116,16 @@ def check_network_settings() -> Check:
     missing, existing = missing_interfaces()
     value = os.environ.get("GLOO_SOCKET_IFNAME")
     if missing:
-        return Check("network settings", "fail", f"GLOO_SOCKET_IFNAME={value} names interface {', '.join(missing)}, "
-                     f"which does not exist; existing: {', '.join(existing)}",
-                     f"unset GLOO_SOCKET_IFNAME or set it to one of {', '.join(existing)}")
-    return Check("network settings", "pass", f"GLOO_SOCKET_IFNAME={value}" if value else "GLOO_SOCKET_IFNAME not set")
+        return Check(
+            "network settings",
+            "fail",
+            f"GLOO_SOCKET_IFNAME={value} names interface {', '.join(missing)}, "
+            f"which does not exist; existing: {', '.join(existing)}",
+            f"unset GLOO_SOCKET_IFNAME or set it to one of {', '.join(existing)}",
+        )
+    return Check(
+        "network settings", "pass", f"GLOO_SOCKET_IFNAME={value}" if value else "GLOO_SOCKET_IFNAME not set"
+    )
 
 
 def check_stale_variables() -> Check:
@@ -117,9 +133,13 @@ def check_stale_variables() -> Check:
     found = [f"{v}={os.environ[v]}" for v in STALE_VARS if v in os.environ]
     if not found:
         return Check("shell variables", "pass", f"none of {', '.join(STALE_VARS)} set")
-    return Check("shell variables", "warn", f"set in this shell: {' '.join(found)} (torchrun overrides them, "
-                 "but a plain `python script.py` will think it is a rank)",
-                 f"unset {' '.join(v.split('=')[0] for v in found)}  (or open a fresh terminal)")
+    return Check(
+        "shell variables",
+        "warn",
+        f"set in this shell: {' '.join(found)} (torchrun overrides them, "
+        "but a plain `python script.py` will think it is a rank)",
+        f"unset {' '.join(v.split('=')[0] for v in found)}  (or open a fresh terminal)",
+    )
 
 
 def check_job(timeout: float) -> Check:
@@ -128,25 +148,41 @@ def check_job(timeout: float) -> Check:
 
     name = "2-rank all_reduce"
     if missing_interfaces()[0]:
-        return Check(name, "fail", "not run: GLOO_SOCKET_IFNAME names a missing interface (see network settings)",
-                     "fix the network settings line first")
+        return Check(
+            name,
+            "fail",
+            "not run: GLOO_SOCKET_IFNAME names a missing interface (see network settings)",
+            "fix the network settings line first",
+        )
     with tempfile.TemporaryDirectory(prefix="ddp_doctor_") as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the launcher's "more ranks than cores" warning: the cores line covers it
+        warnings.simplefilter(
+            "ignore"
+        )  # the launcher's "more ranks than cores" warning: the cores line covers it
         Path(tmp, "doctor_job.py").write_text(JOB, encoding="utf-8")
         try:
-            result = torchrun("doctor_job.py", nproc_per_node=2, timeout=timeout, cwd=tmp, live=False, warm=False)
+            result = torchrun(
+                "doctor_job.py", nproc_per_node=2, timeout=timeout, cwd=tmp, live=False, warm=False
+            )
         except TorchrunError as e:
             how = str(e).splitlines()[0]
             err = [text.strip() for text in e.result.stderr.get(e.rank, []) if text.strip()]
-            hint = (f"a busy machine may need more time: --timeout {max(2 * timeout, 600):g}; a firewall or VPN "
-                    "may block loopback" if e.timed_out else "read the error; check GLOO_SOCKET_IFNAME, VPN, firewall")
+            hint = (
+                f"a busy machine may need more time: --timeout {max(2 * timeout, 600):g}; a firewall or VPN "
+                "may block loopback"
+                if e.timed_out
+                else "read the error; check GLOO_SOCKET_IFNAME, VPN, firewall"
+            )
             return Check(name, "fail", how + (f" -- {err[-1][:300]}" if err else ""), hint)
     sums = {r["rank"]: r["sum"] for r in result.records() if "sum" in r}
     if sums == {0: 3.0, 1: 3.0}:
-        return Check(name, "pass", f"torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks, "
-                     f"{result.duration:.1f} s")
-    return Check(name, "fail", f"ranks reported {sums}, expected 3.0 on ranks 0 and 1",
-                 "reinstall torch: " + INSTALL)
+        return Check(
+            name,
+            "pass",
+            f"torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks, {result.duration:.1f} s",
+        )
+    return Check(
+        name, "fail", f"ranks reported {sums}, expected 3.0 on ranks 0 and 1", "reinstall torch: " + INSTALL
+    )
 
 
 def check_loopback() -> Check:
@@ -165,8 +201,12 @@ def check_cores() -> Check:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores >= 2:
         return Check("CPU cores", "pass", f"{cores} cores available (the notebooks run 2 ranks)")
-    return Check("CPU cores", "warn", "1 core available: the notebooks run 2 ranks, which still works but slowly",
-                 "give the machine or VM 2 or more cores (taskset/cgroups may limit this process)")
+    return Check(
+        "CPU cores",
+        "warn",
+        "1 core available: the notebooks run 2 ranks, which still works but slowly",
+        "give the machine or VM 2 or more cores (taskset/cgroups may limit this process)",
+    )
 
 
 def free_space(name: str, path: str, need_mib: int, why: str, fix: str) -> Check:
@@ -174,23 +214,38 @@ def free_space(name: str, path: str, need_mib: int, why: str, fix: str) -> Check
     free = shutil.disk_usage(path).free
     need = f"{need_mib // 1024} GiB" if need_mib >= 1024 else f"{need_mib} MiB"
     ok = free >= need_mib * 2**20
-    return Check(name, "pass" if ok else "fail", f"{free / 2**30:.1f} GiB free in {path} (need >= {need}: {why})",
-                 "" if ok else fix)
+    return Check(
+        name,
+        "pass" if ok else "fail",
+        f"{free / 2**30:.1f} GiB free in {path} (need >= {need}: {why})",
+        "" if ok else fix,
+    )
 
 
 def check_shm() -> Check:
     """/dev/shm (shared memory for gloo and DataLoader workers) has >= 256 MiB free; only Linux has it."""
     if not os.path.isdir("/dev/shm"):  # macOS and Windows have none and need none; Linux does
         linux = sys.platform == "linux"
-        return Check("shared memory", "fail" if linux else "pass", f"no /dev/shm on {sys.platform}",
-                     "mount a tmpfs on /dev/shm (docker: --shm-size=1g)" if linux else "")
-    return free_space("shared memory", "/dev/shm", MIN_SHM_MIB, "gloo and DataLoader workers",
-                      "close programs using it, or enlarge it (docker: --shm-size=1g)")
+        return Check(
+            "shared memory",
+            "fail" if linux else "pass",
+            f"no /dev/shm on {sys.platform}",
+            "mount a tmpfs on /dev/shm (docker: --shm-size=1g)" if linux else "",
+        )
+    return free_space(
+        "shared memory",
+        "/dev/shm",
+        MIN_SHM_MIB,
+        "gloo and DataLoader workers",
+        "close programs using it, or enlarge it (docker: --shm-size=1g)",
+    )
 
 
 def check_disk() -> Check:
     """The disk holding the repository has >= 2 GiB free for data and checkpoints."""
-    return free_space("disk space", str(REPO), MIN_DISK_MIB, "data sets and checkpoints", f"free space on {REPO}")
+    return free_space(
+        "disk space", str(REPO), MIN_DISK_MIB, "data sets and checkpoints", f"free space on {REPO}"
+    )
 
 
 def check_gpus() -> Check:
@@ -206,22 +261,34 @@ def check_gpus() -> Check:
         return Check("GPUs", "pass", "no GPU: the notebooks use gloo on the CPU")
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
     if not dist.is_nccl_available():
-        return Check("GPUs", "warn", f"{count} GPU(s) ({names}) but this torch has no NCCL, which the scripts pick "
-                     "when they see a GPU: their init_process_group fails", "install a CUDA build of torch on Linux, "
-                     "or run everything on the CPU: export DDP_BACKEND=gloo")
+        return Check(
+            "GPUs",
+            "warn",
+            f"{count} GPU(s) ({names}) but this torch has no NCCL, which the scripts pick "
+            "when they see a GPU: their init_process_group fails",
+            "install a CUDA build of torch on Linux, or run everything on the CPU: export DDP_BACKEND=gloo",
+        )
     backend, _ = launch_backend(2, count)
     if backend == "gloo":
-        return Check("GPUs", "pass", f"{count} GPU ({names}), NCCL available: a launch of one rank per node uses "
-                     "NCCL; the notebooks' 2-rank launches run on gloo and the CPU (NCCL needs one GPU per rank)")
+        return Check(
+            "GPUs",
+            "pass",
+            f"{count} GPU ({names}), NCCL available: a launch of one rank per node uses "
+            "NCCL; the notebooks' 2-rank launches run on gloo and the CPU (NCCL needs one GPU per rank)",
+        )
     return Check("GPUs", "pass", f"{count} GPU(s) ({names}), NCCL available")
 
 
 def _same_python(argv0: str) -> bool:
     """Whether a kernelspec's argv[0] runs this interpreter (jupyter_client swaps a bare ``python`` for its own)."""
     if argv0 in {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}:
-        return False  # that is the interpreter running Jupyter, not necessarily this one: see the prefix check
+        return (
+            False  # that is the interpreter running Jupyter, not necessarily this one: see the prefix check
+        )
     path = os.path.abspath(shutil.which(argv0) or argv0)
-    return os.path.dirname(path) == os.path.dirname(os.path.abspath(sys.executable))  # same bin/ folder, same env
+    return os.path.dirname(path) == os.path.dirname(
+        os.path.abspath(sys.executable)
+    )  # same bin/ folder, same env
 
 
 def check_kernel() -> Check:
@@ -236,20 +303,34 @@ def check_kernel() -> Check:
             return Check("Jupyter kernel", "pass", f"kernel {name!r} runs {argv[0]}")
     own = Path(sys.prefix, "share", "jupyter", "kernels", "python3")
     if "python3" in specs and Path(specs["python3"]).resolve() == own.resolve():
-        return Check("Jupyter kernel", "pass", f"kernel 'python3' in {own} (JupyterLab from this environment uses it)")
-    return Check("Jupyter kernel", "fail", f"no kernel runs {sys.executable} (found: {', '.join(specs) or 'none'})",
-                 f"{sys.executable} -m ipykernel install --user --name ddp-notebooks")
+        return Check(
+            "Jupyter kernel", "pass", f"kernel 'python3' in {own} (JupyterLab from this environment uses it)"
+        )
+    return Check(
+        "Jupyter kernel",
+        "fail",
+        f"no kernel runs {sys.executable} (found: {', '.join(specs) or 'none'})",
+        f"{sys.executable} -m ipykernel install --user --name ddp-notebooks",
+    )
 
 
 def checks(timeout: float) -> list[tuple[str, Callable[[], Check]]]:
     """Every check, in the order printed; looked up at call time so that tests can replace one."""
     packages = [(p, lambda p=p: check_package(p)) for p in ("torch", "torchvision", "jupyterlab")]
-    return [("python", check_python), *packages,
-            ("torch.distributed", check_distributed), ("network settings", check_network_settings),
-            ("shell variables", check_stale_variables), ("loopback ports", check_loopback),
-            ("2-rank all_reduce", lambda: check_job(timeout)), ("CPU cores", check_cores),
-            ("shared memory", check_shm), ("disk space", check_disk), ("GPUs", check_gpus),
-            ("Jupyter kernel", check_kernel)]
+    return [
+        ("python", check_python),
+        *packages,
+        ("torch.distributed", check_distributed),
+        ("network settings", check_network_settings),
+        ("shell variables", check_stale_variables),
+        ("loopback ports", check_loopback),
+        ("2-rank all_reduce", lambda: check_job(timeout)),
+        ("CPU cores", check_cores),
+        ("shared memory", check_shm),
+        ("disk space", check_disk),
+        ("GPUs", check_gpus),
+        ("Jupyter kernel", check_kernel),
+    ]
 
 
 def run_check(name: str, fn: Callable[[], Check]) -> Check:
@@ -257,21 +338,33 @@ def run_check(name: str, fn: Callable[[], Check]) -> Check:
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 -- one broken check must not hide the others
-        return Check(name, "fail", f"the check itself raised {type(e).__name__}: {e}",
-                     "fix what the message names and rerun; report it if unclear")
+        return Check(
+            name,
+            "fail",
+            f"the check itself raised {type(e).__name__}: {e}",
+            "fix what the message names and rerun; report it if unclear",
+        )
 
 
 def line(c: Check) -> str:
     """One printed line (plus an indented fix line when not passing)."""
-    return f"{MARK[c.status]} {c.name}: {c.detail}" + (f"\n    → {c.fix}" if c.fix and c.status != "pass" else "")
+    return f"{MARK[c.status]} {c.name}: {c.detail}" + (
+        f"\n    → {c.fix}" if c.fix and c.status != "pass" else ""
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every check, print one line each (or one JSON object); 0 if nothing failed, else 1."""
-    parser = argparse.ArgumentParser(prog="python -m ddp_helpers.doctor",
-                                     description="Is this machine ready for the workshop? One line per check.")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (for collecting a room's results)")
-    parser.add_argument("--timeout", type=float, default=180.0, help="limit for the 2-rank job, s (default 180)")
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_helpers.doctor",
+        description="Is this machine ready for the workshop? One line per check.",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (for collecting a room's results)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="limit for the 2-rank job, s (default 180)"
+    )
     ns = parser.parse_args(argv)
     results = []
     try:
@@ -284,13 +377,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     ok = all(c.status != "fail" for c in results)
     if ns.json:
-        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in results], "python": platform.python_version(),
-                          "platform": platform.platform(), "hostname": socket.gethostname()}))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "checks": [asdict(c) for c in results],
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "hostname": socket.gethostname(),
+                }
+            )
+        )
     else:
         failed = [c.name for c in results if c.status == "fail"]
         warned = sum(c.status == "warn" for c in results)
-        print(f"\n{'READY' if ok else 'NOT READY: ' + ', '.join(failed)} ({len(results)} checks, "
-              f"{len(failed)} failed, {warned} warning(s))")
+        print(
+            f"\n{'READY' if ok else 'NOT READY: ' + ', '.join(failed)} ({len(results)} checks, "
+            f"{len(failed)} failed, {warned} warning(s))"
+        )
     return 0 if ok else 1
 
 

@@ -24,8 +24,9 @@ def choose_backend() -> tuple[str, str]:
     return backend, "cuda" if backend == "nccl" else "cpu"
 
 
-def launch_backend(nproc_per_node: int, gpus: int, requested: str | None = None,
-                   preset: str | None = None) -> tuple[str, str | None]:
+def launch_backend(
+    nproc_per_node: int, gpus: int, requested: str | None = None, preset: str | None = None
+) -> tuple[str, str | None]:
     """What the ranks of a launch with ``nproc_per_node`` ranks per node use where torch sees ``gpus`` CUDA GPUs:
     (the backend, the ``DDP_BACKEND`` the launcher hands them, or None when the scripts choose by themselves).
 
@@ -72,9 +73,11 @@ def describe_environment(verbose: bool = True, nproc_per_node: int = 2) -> dict:
         if launch == backend:
             print(f"The scripts will use backend={backend!r} on device={device!r}.")
         else:
-            print(f"The scripts pick backend={backend!r} on device={device!r} with up to {gpus} rank(s) per "
-                  f"node; a launch of {nproc_per_node} ranks per node runs on backend={launch!r} and the CPU "
-                  f"(NCCL needs one GPU per rank).")
+            print(
+                f"The scripts pick backend={backend!r} on device={device!r} with up to {gpus} rank(s) per "
+                f"node; a launch of {nproc_per_node} ranks per node runs on backend={launch!r} and the CPU "
+                f"(NCCL needs one GPU per rank)."
+            )
     return info
 
 
@@ -85,4 +88,6 @@ def series_folder(start: str | os.PathLike | None = None) -> Path:
     for folder in (here, *here.parents):
         if (folder / "scripts" / "00_hello.py").is_file() and (folder / "00_start_here.ipynb").is_file():
             return folder
-    raise FileNotFoundError(f"no ddp-notebooks notebooks/ folder at or above {here}: open the notebook from the series")
+    raise FileNotFoundError(
+        f"no ddp-notebooks notebooks/ folder at or above {here}: open the notebook from the series"
+    )

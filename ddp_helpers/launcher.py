@@ -46,11 +46,22 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # which GPUs torch sees
 
 
-def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, nnodes: int = 1,
-             timeout: float | None = DEFAULT_TIMEOUT, stall_timeout: float | None = None,
-             env: Mapping[str, object] | None = None, cwd: str | os.PathLike | None = None,
-             live: bool | Iterable[int] = True, backend: str | None = None, torchrun_args: Sequence[str] = (),
-             show_agent: bool = False, grace: float = TERM_GRACE, warm: bool = True) -> TorchrunResult:
+def torchrun(
+    script: str | os.PathLike,
+    *args: object,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    stall_timeout: float | None = None,
+    env: Mapping[str, object] | None = None,
+    cwd: str | os.PathLike | None = None,
+    live: bool | Iterable[int] = True,
+    backend: str | None = None,
+    torchrun_args: Sequence[str] = (),
+    show_agent: bool = False,
+    grace: float = TERM_GRACE,
+    warm: bool = True,
+) -> TorchrunResult:
     """Run ``script`` under real torchrun, stream each rank's lines live, and raise ``TorchrunError`` on failure.
 
     - ``script``: path of the script, relative to ``cwd``; it runs unchanged as ``__main__`` in every rank.
@@ -87,12 +98,27 @@ def torchrun(script: str | os.PathLike, *args: object, nproc_per_node: int = 1, 
         result = torchrun("scripts/00_hello.py", "--steps", "3", nproc_per_node=2, timeout=120)
         assert all(r["sum"] == 3 for r in result.records())
     """
-    job = _plan(script=script, args=args, nproc_per_node=nproc_per_node, nnodes=nnodes, timeout=timeout,
-                stall_timeout=stall_timeout, env=env, cwd=cwd, live=live, backend=backend,
-                torchrun_args=torchrun_args, show_agent=show_agent, grace=grace, warm=warm)
+    job = _plan(
+        script=script,
+        args=args,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        timeout=timeout,
+        stall_timeout=stall_timeout,
+        env=env,
+        cwd=cwd,
+        live=live,
+        backend=backend,
+        torchrun_args=torchrun_args,
+        show_agent=show_agent,
+        grace=grace,
+        warm=warm,
+    )
     with _Launch(job) as launch:
         hang = launch.watch()
-        hung = launch.hung_ranks() if hang else []  # where every rank was, as found: before anything is stopped
+        hung = (
+            launch.hung_ranks() if hang else []
+        )  # where every rank was, as found: before anything is stopped
         launch.stop()
         result, records = launch.collect()
     if hang:
@@ -122,11 +148,23 @@ class _Job:
     warm: bool
 
 
-def _plan(*, script: str | os.PathLike, args: Sequence[object] = (), nproc_per_node: int = 1, nnodes: int = 1,
-          timeout: float | None = DEFAULT_TIMEOUT, stall_timeout: float | None = None,
-          env: Mapping[str, object] | None = None, cwd: str | os.PathLike | None = None,
-          live: bool | Iterable[int] = True, backend: str | None = None, torchrun_args: Sequence[str] = (),
-          show_agent: bool = False, grace: float = TERM_GRACE, warm: bool = True) -> _Job:
+def _plan(
+    *,
+    script: str | os.PathLike,
+    args: Sequence[object] = (),
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    stall_timeout: float | None = None,
+    env: Mapping[str, object] | None = None,
+    cwd: str | os.PathLike | None = None,
+    live: bool | Iterable[int] = True,
+    backend: str | None = None,
+    torchrun_args: Sequence[str] = (),
+    show_agent: bool = False,
+    grace: float = TERM_GRACE,
+    warm: bool = True,
+) -> _Job:
     """Check every argument (bad input fails here, before any process starts) and build the commands."""
     nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
     nnodes = _check_count("nnodes", nnodes)
@@ -149,18 +187,27 @@ def _plan(*, script: str | os.PathLike, args: Sequence[object] = (), nproc_per_n
     if not os.path.isfile(script_path):
         raise FileNotFoundError(
             f"script {script!r} not found (looked for {script_path}). Write it first "
-            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to.")
+            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
+        )
     world_size = nproc_per_node * nnodes
     shown = _live_ranks(live, world_size)
     cores = os.cpu_count() or 1
     if world_size > cores:
-        warnings.warn(f"{world_size} ranks on {cores} CPU core(s): ranks will share cores, which is fine "
-                      f"for learning but slow, and timings will not mean much.", stacklevel=3)
+        warnings.warn(
+            f"{world_size} ranks on {cores} CPU core(s): ranks will share cores, which is fine "
+            f"for learning but slow, and timings will not mean much.",
+            stacklevel=3,
+        )
     extra_env = {str(k): str(v) for k, v in (env or {}).items()}
     import_time = _warm.import_time_env(extra_env)
     warm_now = warm and not import_time
-    child_env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", protocol.PARENT_PID: str(os.getpid()),
-                 protocol.LIFELINE: "0"}
+    child_env = {
+        **os.environ,
+        **extra_env,
+        "PYTHONUNBUFFERED": "1",
+        protocol.PARENT_PID: str(os.getpid()),
+        protocol.LIFELINE: "0",
+    }
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
     child_env.update(_backend_env(backend, nproc_per_node, child_env, warm_now))
 
@@ -170,16 +217,41 @@ def _plan(*, script: str | os.PathLike, args: Sequence[object] = (), nproc_per_n
     per_node = [f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd]
     agent_argvs = [[*node, *per_node] for node in node_args]
     # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
-    plain = ["torchrun", *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
-             f"--nproc-per-node={nproc_per_node}", *torchrun_args, script, *map(str, args)]
+    plain = [
+        "torchrun",
+        *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
+        f"--nproc-per-node={nproc_per_node}",
+        *torchrun_args,
+        script,
+        *map(str, args),
+    ]
     if warm and import_time:
-        print(f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is imported: "
-              "this launch starts a fresh torchrun (warm=False)", flush=True)
-    return _Job(run_id, script, script_path, run_cwd, world_size, agent_argvs, shlex.join(plain), child_env, shown,
-                show_agent, timeout, stall_timeout, grace, warm_now)
+        print(
+            f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is imported: "
+            "this launch starts a fresh torchrun (warm=False)",
+            flush=True,
+        )
+    return _Job(
+        run_id,
+        script,
+        script_path,
+        run_cwd,
+        world_size,
+        agent_argvs,
+        shlex.join(plain),
+        child_env,
+        shown,
+        show_agent,
+        timeout,
+        stall_timeout,
+        grace,
+        warm_now,
+    )
 
 
-def _backend_env(backend: str | None, nproc_per_node: int, env: Mapping[str, str], warm: bool) -> dict[str, str]:
+def _backend_env(
+    backend: str | None, nproc_per_node: int, env: Mapping[str, str], warm: bool
+) -> dict[str, str]:
     """The DDP_BACKEND to hand the ranks, if any, as ``environment.launch_backend`` decides; the GPUs are counted
     only where the answer matters. ``backend="nccl"`` with fewer GPUs than ranks per node stops here."""
     preset = None if backend else env.get("DDP_BACKEND")
@@ -189,12 +261,15 @@ def _backend_env(backend: str | None, nproc_per_node: int, env: Mapping[str, str
             f"backend='nccl' needs one GPU per rank, but torch sees {gpus} GPU(s) for "
             f"{nproc_per_node} rank(s) per node. Use backend='gloo' (CPU), or lower "
             f"nproc_per_node to {max(gpus, 1) if gpus else 'the number of GPUs'}, or check "
-            f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed.")
+            f"CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed."
+        )
     _, handed = environment.launch_backend(nproc_per_node, gpus, backend, preset)
     if handed and backend is None:
-        _note_once(f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than "
-                   f"that runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) "
-                   f"per node.")
+        _note_once(
+            f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so a launch with more ranks per node than "
+            f"that runs on gloo and the CPU (DDP_BACKEND=gloo). For NCCL, launch at most {gpus} rank(s) "
+            f"per node."
+        )
     return {"DDP_BACKEND": handed} if handed else {}
 
 
@@ -216,8 +291,13 @@ def _gpu_count(env: Mapping[str, str], warm: bool) -> int:
                 count = None
         if count is None:
             clean = {k: v for k, v in env.items() if k not in protocol.LAUNCH_VARIABLES}
-            out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                                 capture_output=True, text=True, timeout=120, env=clean)
+            out = subprocess.run(
+                [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=clean,
+            )
             count = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
         _GPU_COUNTS[key] = count
     return _GPU_COUNTS[key]
@@ -230,13 +310,19 @@ _NOTED: set[str] = set()
 def _may_have_gpus() -> bool:
     """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never
     pays for asking torch."""
-    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
-                                           "/dev/dxg"))
+    return any(
+        os.path.exists(p)
+        for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    )
 
 
 def _warm_env(env: Mapping[str, str]) -> dict[str, str]:
     """The environment the warm process starts with: the launch's, less what differs per launch."""
-    return {k: v for k, v in env.items() if k not in (*protocol.LAUNCH_VARIABLES, "OMP_NUM_THREADS", "DDP_BACKEND")}
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in (*protocol.LAUNCH_VARIABLES, "OMP_NUM_THREADS", "DDP_BACKEND")
+    }
 
 
 def _warm_process(env: dict[str, str]) -> _warm.WarmProcess | None:
@@ -262,7 +348,9 @@ class _Launch:
         self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.run_id}_")
         self.ranks = [_Rank(self.run_dir, r, r in job.live) for r in range(job.world_size)]
         self.agents = _Agents(job, self.run_dir)
-        self.lifeline_r, self.lifeline_w = os.pipe()  # see _protocol: the agents and ranks die with its write end
+        self.lifeline_r, self.lifeline_w = (
+            os.pipe()
+        )  # see _protocol: the agents and ranks die with its write end
         self.start = time.monotonic()
 
     def __enter__(self) -> _Launch:
@@ -317,7 +405,9 @@ class _Launch:
         """Every rank's record for a hang, with a faulthandler dump of all its threads from each live rank."""
         self.poll()
         stacks = _dump_stacks(self.ranks, self.poll)
-        return [rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in self.ranks]
+        return [
+            rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in self.ranks
+        ]
 
     def stop(self) -> None:
         """Stop every agent and every rank's process group (SIGTERM, the grace period, then SIGKILL)."""
@@ -330,13 +420,18 @@ class _Launch:
         agent_output = self.agents.finish()
         _flush()
         failures, ok = self.agents.failures(), all(a.returncode == 0 for a in self.agents.procs)
-        records = {rank.rank: rank.record(failure=failures.get(rank.rank), agents_ok=ok) for rank in self.ranks}
+        records = {
+            rank.rank: rank.record(failure=failures.get(rank.rank), agents_ok=ok) for rank in self.ranks
+        }
         result = TorchrunResult(
-            command=self.job.plain_command, returncode=self.agents.returncode(),
+            command=self.job.plain_command,
+            returncode=self.agents.returncode(),
             duration=time.monotonic() - self.start,
             stdout={rank.rank: rank.stdout.lines for rank in self.ranks},
             stderr={rank.rank: rank.stderr.lines for rank in self.ranks},
-            exitcodes={r: record.exitcode for r, record in records.items()}, agent_output=agent_output)
+            exitcodes={r: record.exitcode for r, record in records.items()},
+            agent_output=agent_output,
+        )
         return result, records
 
     def _worker_groups(self) -> set[int]:
@@ -347,8 +442,10 @@ class _Launch:
         left = self.agents.left(self._worker_groups)
         if left:
             return f"ddp_helpers: interrupted; still stopping process group(s) {left} (they die with their lifeline)"
-        return (f"ddp_helpers: interrupted; all {self.job.world_size} rank(s) and their torchrun agent(s) were "
-                "stopped, nothing is left running")
+        return (
+            f"ddp_helpers: interrupted; all {self.job.world_size} rank(s) and their torchrun agent(s) were "
+            "stopped, nothing is left running"
+        )
 
 
 def _dump_stacks(ranks: Sequence[_Rank], poll: Callable[[], bool]) -> dict[int, str]:
@@ -369,8 +466,10 @@ def _dump_stacks(ranks: Sequence[_Rank], poll: Callable[[], bool]) -> dict[int, 
         time.sleep(0.1)
         if poll():
             quiet_since = time.monotonic()
-        started = all(any("most recent call first" in line for line in ranks[r].stderr.lines[m:])
-                      for r, m in marks.items())
+        started = all(
+            any("most recent call first" in line for line in ranks[r].stderr.lines[m:])
+            for r, m in marks.items()
+        )
         if started and time.monotonic() - quiet_since > DUMP_SETTLE:
             break
     return {r: "\n".join(ranks[r].stderr.lines[m:]) for r, m in marks.items()}
@@ -384,22 +483,37 @@ class _Agents:
         self.job, self.run_dir = job, run_dir
         count = len(job.agent_argvs)
         tags = ["torchrun"] if count == 1 else [f"torchrun node {i}" for i in range(count)]
-        self.logs = [_Lines(protocol.agent_file(run_dir, i, kind), f"[{tag}] ",
-                            (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None)
-                     for i, tag in enumerate(tags) for kind in ("stdout", "stderr")]
+        self.logs = [
+            _Lines(
+                protocol.agent_file(run_dir, i, kind),
+                f"[{tag}] ",
+                (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None,
+            )
+            for i, tag in enumerate(tags)
+            for kind in ("stdout", "stderr")
+        ]
         self.procs: list[subprocess.Popen | _warm.WarmAgent] = []
 
     def start(self, lifeline: int) -> None:
         warm = _warm_process(_warm_env(self.job.env)) if self.job.warm else None
         for i, argv in enumerate(self.job.agent_argvs):
-            with open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out, \
-                    open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err:
+            with (
+                open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out,
+                open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err,
+            ):
                 env = {**self.job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
                 if warm is not None:
                     agent = warm.start_agent(argv, env, self.job.cwd, (lifeline, out.fileno(), err.fileno()))
                 else:
-                    agent = subprocess.Popen([sys.executable, "-m", "ddp_helpers._agent", *argv], cwd=self.job.cwd,
-                                             env=env, stdin=lifeline, stdout=out, stderr=err, start_new_session=True)
+                    agent = subprocess.Popen(
+                        [sys.executable, "-m", "ddp_helpers._agent", *argv],
+                        cwd=self.job.cwd,
+                        env=env,
+                        stdin=lifeline,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
                 self.procs.append(agent)
 
     def poll(self) -> list[int | None]:
@@ -433,8 +547,9 @@ class _Agents:
     def left(self, worker_groups: Callable[[], set[int]]) -> list[int]:
         """The agents and worker groups still alive after being killed, waiting a moment for them to be reaped."""
         end = time.monotonic() + REAP_WAIT
-        while (left := [a.pid for a in self.running()] + [g for g in worker_groups() if _alive(g, group=True)]) \
-                and time.monotonic() < end:
+        while (
+            left := [a.pid for a in self.running()] + [g for g in worker_groups() if _alive(g, group=True)]
+        ) and time.monotonic() < end:
             time.sleep(POLL_INTERVAL)
         return left
 
@@ -475,8 +590,12 @@ class _Rank:
     def __init__(self, run_dir: str, rank: int, live: bool):
         self.rank = rank
         prefix = f"[rank {rank}] "
-        self.stdout = _Lines(protocol.rank_file(run_dir, rank, "stdout"), prefix, sys.stdout if live else None)
-        self.stderr = _Lines(protocol.rank_file(run_dir, rank, "stderr"), prefix, sys.stderr if live else None)
+        self.stdout = _Lines(
+            protocol.rank_file(run_dir, rank, "stdout"), prefix, sys.stdout if live else None
+        )
+        self.stderr = _Lines(
+            protocol.rank_file(run_dir, rank, "stderr"), prefix, sys.stderr if live else None
+        )
         self._status = _Lines(protocol.rank_file(run_dir, rank, "status"))
         self.events: list[dict] = []  # the status file's events so far (_protocol: start, exception, exit)
 
@@ -582,15 +701,19 @@ def _check_seconds(name: str, value: object) -> float | None:
 
 def _check_grace(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"grace must be a number of seconds, 0 or more (default {TERM_GRACE}), not {value!r}")
+        raise ValueError(
+            f"grace must be a number of seconds, 0 or more (default {TERM_GRACE}), not {value!r}"
+        )
     return float(value)
 
 
 def _check_flags(flags: object) -> list[str]:
     if isinstance(flags, (str, bytes)):
-        raise TypeError(f"torchrun_args must be a list of flags, one string per flag, such as "
-                        f"{shlex.split(flags) if isinstance(flags, str) else ['--max-restarts=1']!r}, "
-                        f"not the single string {flags!r}")
+        raise TypeError(
+            f"torchrun_args must be a list of flags, one string per flag, such as "
+            f"{shlex.split(flags) if isinstance(flags, str) else ['--max-restarts=1']!r}, "
+            f"not the single string {flags!r}"
+        )
     if not isinstance(flags, Iterable):
         raise TypeError(f"torchrun_args must be a list of flags such as ['--max-restarts=1'], not {flags!r}")
     flags = list(flags)
@@ -620,7 +743,9 @@ def _live_ranks(live: bool | Iterable[int], world_size: int) -> set[int]:
     ranks = {int(r) for r in live}
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
-        raise ValueError(f"live={sorted(ranks)} names rank(s) {bad}, but this job has ranks 0..{world_size - 1}")
+        raise ValueError(
+            f"live={sorted(ranks)} names rank(s) {bad}, but this job has ranks 0..{world_size - 1}"
+        )
     return ranks
 
 
@@ -629,9 +754,17 @@ def _node_args(nnodes: int, run_id: str) -> list[list[str]]:
     if nnodes == 1:
         return [["--standalone", "--nnodes=1"]]
     port = _free_port()
-    return [[f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-             f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={int(i == 0)}", "--local-addr=127.0.0.1"]
-            for i in range(nnodes)]
+    return [
+        [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf=is_host={int(i == 0)}",
+            "--local-addr=127.0.0.1",
+        ]
+        for i in range(nnodes)
+    ]
 
 
 def _alive(target: int, group: bool = False) -> bool:
@@ -645,7 +778,9 @@ def _alive(target: int, group: bool = False) -> bool:
     if not group:
         try:
             with open(f"/proc/{target}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # an exited, unreaped process answers no signal
+                return (
+                    f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+                )  # an exited, unreaped process answers no signal
         except (OSError, IndexError):
             pass
     return True

@@ -90,8 +90,9 @@ class TorchrunError(RuntimeError):
 class JobFailedError(TorchrunError):
     """A rank failed (``.rank``, ``.exitcode``), or torchrun itself did before any rank reported (``.rank`` None)."""
 
-    def __init__(self, message: str, result: TorchrunResult, *, rank: int | None = None,
-                 exitcode: int | None = None):
+    def __init__(
+        self, message: str, result: TorchrunResult, *, rank: int | None = None, exitcode: int | None = None
+    ):
         super().__init__(message, result)
         self.rank, self.exitcode = rank, exitcode
 
@@ -99,8 +100,15 @@ class JobFailedError(TorchrunError):
 class JobHungError(TorchrunError):
     """The job hung and was stopped: ``.hang`` (timeout or stall), ``.stuck_ranks`` to blame, ``.stacks`` by rank."""
 
-    def __init__(self, message: str, result: TorchrunResult, *, hang: Hang, stuck_ranks: Sequence[int],
-                 stacks: Mapping[int, str]):
+    def __init__(
+        self,
+        message: str,
+        result: TorchrunResult,
+        *,
+        hang: Hang,
+        stuck_ranks: Sequence[int],
+        stacks: Mapping[int, str],
+    ):
         super().__init__(message, result)
         self.hang = hang
         self.stuck_ranks = list(stuck_ranks)

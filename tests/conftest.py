@@ -28,8 +28,12 @@ def script(tmp_path: Path):
 def kernel_unchanged():
     """Fail if a test changed this process's environment or signal handlers, or left a process behind."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    handlers = {
+        s: signal.getsignal(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
+    }
     yield
-    assert {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} == env, "the launcher changed os.environ"
+    assert {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} == env, (
+        "the launcher changed os.environ"
+    )
     assert {s: signal.getsignal(s) for s in handlers} == handlers, "the launcher changed signal handlers"
     assert wait_for_no_leftovers(os.getpid(), within=60) == [], "processes outlived the launch"

@@ -84,9 +84,17 @@ def test_train_val_split(tmp_path):
         assert len(list((root / "val" / name).glob("*.png"))) == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"num_classes": 0}, {"num_classes": 99}, {"size": 2},
-                                    {"images_per_class": 0}, {"val_fraction": 1.0},
-                                    {"images_per_class": 2, "val_fraction": 0.1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_classes": 0},
+        {"num_classes": 99},
+        {"size": 2},
+        {"images_per_class": 0},
+        {"val_fraction": 1.0},
+        {"images_per_class": 2, "val_fraction": 0.1},
+    ],
+)
 def test_bad_arguments(tmp_path, kwargs):
     with pytest.raises(ValueError):
         make_image_folder(tmp_path / "ds", **kwargs)

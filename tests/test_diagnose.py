@@ -36,8 +36,14 @@ BACKWARD = """Current thread 0x00007f0000000002 (most recent call first):
 """
 
 
-def hung(rank: int, stack: str | None = None, *, alive: bool = True, started: bool = True,
-         script_exit: int | None = None) -> diagnose.RankRecord:
+def hung(
+    rank: int,
+    stack: str | None = None,
+    *,
+    alive: bool = True,
+    started: bool = True,
+    script_exit: int | None = None,
+) -> diagnose.RankRecord:
     """A rank's record as the launcher makes it when a job hangs."""
     return diagnose.RankRecord(rank, started=started, alive=alive, stack=stack, script_exit=script_exit)
 
@@ -48,8 +54,15 @@ def waiting(rank: int, collective: str = "barrier", line: int = 12) -> diagnose.
 
 def result(world_size: int = 2, stderr: dict | None = None, returncode: int = 1) -> TorchrunResult:
     lines = {r: [] for r in range(world_size)}
-    return TorchrunResult("torchrun x.py", returncode, 1.0, dict(lines), {**lines, **(stderr or {})},
-                          dict.fromkeys(lines), ["torchrun: its last line"])
+    return TorchrunResult(
+        "torchrun x.py",
+        returncode,
+        1.0,
+        dict(lines),
+        {**lines, **(stderr or {})},
+        dict.fromkeys(lines),
+        ["torchrun: its last line"],
+    )
 
 
 def test_parse_stack_dump_splits_threads_innermost_first():
@@ -59,11 +72,15 @@ def test_parse_stack_dump_splits_threads_innermost_first():
 
 
 def test_where_a_hung_rank_was():
-    assert "waits in torch.distributed `barrier` called at train.py:12" in diagnose.describe_hung(waiting(0), SCRIPT)
+    assert "waits in torch.distributed `barrier` called at train.py:12" in diagnose.describe_hung(
+        waiting(0), SCRIPT
+    )
     assert diagnose.place(DUMP.format(collective="barrier", line=12), SCRIPT).script_frame.line == 12
     assert "rank 1 is busy at train.py:15 in main" in diagnose.describe_hung(hung(1, BUSY), SCRIPT)
     gone = hung(2, alive=False, script_exit=0)
-    assert "rank 2 had already exited (exit code 0) while its peers waited" in diagnose.describe_hung(gone, SCRIPT)
+    assert "rank 2 had already exited (exit code 0) while its peers waited" in diagnose.describe_hung(
+        gone, SCRIPT
+    )
     assert "(exit code unknown)" in diagnose.describe_hung(hung(2, alive=False), SCRIPT)
     assert "never started its script" in diagnose.describe_hung(hung(3, alive=False, started=False), SCRIPT)
     assert "no stack dump arrived" in diagnose.describe_hung(hung(4), SCRIPT)
@@ -78,7 +95,9 @@ def test_a_rank_blocked_in_backward_waits_for_ddp():
 
 def test_a_rank_hanging_after_its_script_ended_is_a_culprit():
     shutting = hung(1, BUSY, script_exit=1)
-    assert "finished its script (exit code 1) but its process hangs" in diagnose.describe_hung(shutting, SCRIPT)
+    assert "finished its script (exit code 1) but its process hangs" in diagnose.describe_hung(
+        shutting, SCRIPT
+    )
     assert diagnose.culprits([waiting(0), shutting], SCRIPT)[0] == [shutting]
 
 
@@ -99,18 +118,24 @@ def test_the_hang_message_names_the_culprit_first_then_who_waits():
     err = diagnose.hang_error(result(), Hang("timeout", 12), records, SCRIPT)
     assert isinstance(err, JobHungError) and isinstance(err, TorchrunError) and isinstance(err, RuntimeError)
     lines = str(err).splitlines()
-    assert lines[0] == "timed out after 12 s; stuck: rank 1 (the stuck rank(s) never reached the collective " \
-                       "their peers wait in).", lines
+    assert (
+        lines[0] == "timed out after 12 s; stuck: rank 1 (the stuck rank(s) never reached the collective "
+        "their peers wait in)."
+    ), lines
     assert lines[1].startswith("  rank 1 is busy at train.py:15 in main") and lines[2] == "Waiting for them:"
     assert lines[3] == "  rank 0 waits in torch.distributed `all_reduce` called at train.py:9 in main", lines
     assert lines[-1] == "Every rank was killed. Full stacks: .stacks on this error; logs: .result."
     assert err.stuck_ranks == [1] and err.hang == Hang("timeout", 12) and err.timed_out
     assert err.stacks == {0: records[0].stack, 1: BUSY} and err.rank is None and err.exitcode is None
     stall = diagnose.hang_error(result(), Hang("stall", 2), records, SCRIPT)
-    assert str(stall).startswith("stalled: every rank had printed, then none printed anything for 2 s; stuck: rank 1")
+    assert str(stall).startswith(
+        "stalled: every rank had printed, then none printed anything for 2 s; stuck: rank 1"
+    )
     assert stall.hang.kind == "stall" and stall.hang.seconds == 2 and stall.timed_out  # see outcome.timed_out
     gone = diagnose.hang_error(result(), Hang("timeout", 5), [waiting(0), hung(1, "", alive=True)], SCRIPT)
-    assert gone.stacks == {0: waiting(0).stack, 1: ""}, "a live rank that sent nothing still has its (empty) entry"
+    assert gone.stacks == {0: waiting(0).stack, 1: ""}, (
+        "a live rank that sent nothing still has its (empty) entry"
+    )
 
 
 def test_a_record_merges_torchs_failure_record_with_the_status_file():
@@ -125,7 +150,9 @@ def test_a_record_merges_torchs_failure_record_with_the_status_file():
     stopped = diagnose.rank_record(0, [start], None, agents_ok=False)
     assert stopped.exitcode is None and not stopped.failed and stopped.time == math.inf
     assert diagnose.rank_record(0, [start], None, agents_ok=True).exitcode == 0
-    restarted = diagnose.rank_record(1, [start, raised, ended, {**start, "pid": 11}, {"event": "exit", "code": 0}])
+    restarted = diagnose.rank_record(
+        1, [start, raised, ended, {**start, "pid": 11}, {"event": "exit", "code": 0}]
+    )
     assert restarted.raised is None and restarted.exitcode == 0, "only the last attempt counts"
     assert not diagnose.rank_record(2, []).started
 
@@ -134,21 +161,37 @@ def _failed(rank: int, exitcode: int, raised: str | None = None, time: float = 1
     return diagnose.RankRecord(rank, started=True, exitcode=exitcode, raised=raised, time=time)
 
 
-TRACEBACK = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "/work/train.py", line 7, in load_batch',
-             '[rank1]:     raise ValueError("bad batch on purpose")', "[rank1]: ValueError: bad batch on purpose"]
+TRACEBACK = [
+    "[rank1]: Traceback (most recent call last):",
+    '[rank1]:   File "/work/train.py", line 7, in load_batch',
+    '[rank1]:     raise ValueError("bad batch on purpose")',
+    "[rank1]: ValueError: bad batch on purpose",
+]
 
 
 def test_the_failure_message_names_the_first_failing_rank_and_its_traceback():
     records = {0: _failed(0, -signal.SIGTERM, time=3.0), 1: _failed(1, 1, "ValueError", time=2.0)}
     err = diagnose.failure_error(result(stderr={1: ["noise", *TRACEBACK]}), records)
     assert isinstance(err, JobFailedError) and isinstance(err, TorchrunError) and not err.timed_out
-    assert err.rank == 1 and err.exitcode == 1 and err.hang is None and err.stuck_ranks == [] and err.stacks == {}
+    assert (
+        err.rank == 1
+        and err.exitcode == 1
+        and err.hang is None
+        and err.stuck_ranks == []
+        and err.stacks == {}
+    )
     lines = str(err).splitlines()
-    assert lines[0] == ("rank 1 raised ValueError (exit code 1); then 1 other rank(s) stopped too: rank 0 was "
-                        "killed by SIGTERM (exit code -15)."), lines
-    assert lines[1:] == ["--- rank 1 stderr (last traceback) ---", "Traceback (most recent call last):",
-                         '  File "/work/train.py", line 7, in load_batch', '    raise ValueError("bad batch on purpose")',
-                         "ValueError: bad batch on purpose"], lines
+    assert lines[0] == (
+        "rank 1 raised ValueError (exit code 1); then 1 other rank(s) stopped too: rank 0 was "
+        "killed by SIGTERM (exit code -15)."
+    ), lines
+    assert lines[1:] == [
+        "--- rank 1 stderr (last traceback) ---",
+        "Traceback (most recent call last):",
+        '  File "/work/train.py", line 7, in load_batch',
+        '    raise ValueError("bad batch on purpose")',
+        "ValueError: bad batch on purpose",
+    ], lines
 
 
 def test_whom_a_failure_blames():
@@ -157,24 +200,37 @@ def test_whom_a_failure_blames():
     assert sorted([stopped, raised], key=diagnose.blame_order) == [raised, stopped]
     early, late = _failed(1, 1, "ValueError", time=1.0), _failed(0, 1, "ValueError", time=2.0)
     assert sorted([late, early], key=diagnose.blame_order) == [early, late]
-    killed = diagnose.failure_error(result(), {0: _failed(0, -signal.SIGTERM), 1: _failed(1, -signal.SIGKILL, time=0)})
+    killed = diagnose.failure_error(
+        result(), {0: _failed(0, -signal.SIGTERM), 1: _failed(1, -signal.SIGKILL, time=0)}
+    )
     assert str(killed).startswith("rank 1 was killed by SIGKILL (exit code -9)") and killed.exitcode == -9
     code = diagnose.failure_error(result(), {0: _failed(0, 4), 1: diagnose.RankRecord(1, exitcode=0)})
-    assert str(code).startswith("rank 0 exited with code 4.\nNote: rank 1 exited normally (code 0) while the "
-                                "others were still running"), str(code)
+    assert str(code).startswith(
+        "rank 0 exited with code 4.\nNote: rank 1 exited normally (code 0) while the "
+        "others were still running"
+    ), str(code)
     assert "(rank wrote nothing to stderr)" in str(code)
     dying = diagnose.failure_error(result(), {0: _failed(0, -signal.SIGABRT, "RuntimeError")})
-    assert str(dying).startswith("rank 0 raised RuntimeError, then was killed by SIGABRT (exit code -6) while "
-                                 "shutting down"), str(dying)
-    itself = diagnose.failure_error(result(returncode=1), {0: diagnose.RankRecord(0), 1: diagnose.RankRecord(1)})
-    assert str(itself).startswith("torchrun itself failed (exit code 1) before any rank reported an error. Its "
-                                  "last lines:\ntorchrun: its last line"), str(itself)
+    assert str(dying).startswith(
+        "rank 0 raised RuntimeError, then was killed by SIGABRT (exit code -6) while shutting down"
+    ), str(dying)
+    itself = diagnose.failure_error(
+        result(returncode=1), {0: diagnose.RankRecord(0), 1: diagnose.RankRecord(1)}
+    )
+    assert str(itself).startswith(
+        "torchrun itself failed (exit code 1) before any rank reported an error. Its "
+        "last lines:\ntorchrun: its last line"
+    ), str(itself)
     assert itself.rank is None
 
 
 def test_a_long_traceback_is_cut_to_about_twenty_lines():
     """Replaces the end-to-end test of the same name: the cut is this function's alone."""
-    frames = [line for i in range(31) for line in (f'  File "/work/deep.py", line {i + 2}, in f{i}', f"    f{i + 1}()")]
+    frames = [
+        line
+        for i in range(31)
+        for line in (f'  File "/work/deep.py", line {i + 2}, in f{i}', f"    f{i + 1}()")
+    ]
     lines = ["Traceback (most recent call last):", *frames, "RuntimeError: deep"]
     cut = diagnose.last_traceback(lines)
     assert len(cut) == 20 and cut[0] == lines[0] and cut[-1] == "RuntimeError: deep" and "in f30" in cut[-3]

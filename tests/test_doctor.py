@@ -10,14 +10,34 @@ import sys
 from ddp_test_support import REPO
 from ddp_helpers import doctor
 
-NAMES = ["python", "torch", "torchvision", "jupyterlab", "torch.distributed", "network settings", "shell variables",
-         "loopback ports", "2-rank all_reduce", "CPU cores", "shared memory", "disk space", "GPUs", "Jupyter kernel"]
+NAMES = [
+    "python",
+    "torch",
+    "torchvision",
+    "jupyterlab",
+    "torch.distributed",
+    "network settings",
+    "shell variables",
+    "loopback ports",
+    "2-rank all_reduce",
+    "CPU cores",
+    "shared memory",
+    "disk space",
+    "GPUs",
+    "Jupyter kernel",
+]
 
 
 def doctor_run(*args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *doctor.STALE_VARS)}
-    return subprocess.run([sys.executable, "-m", "ddp_helpers.doctor", *args], cwd=REPO, env={**clean, **env},
-                          capture_output=True, text=True, timeout=600)  # a safety net only
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_helpers.doctor", *args],
+        cwd=REPO,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # a safety net only
 
 
 def test_doctor_passes_here():
@@ -25,7 +45,10 @@ def test_doctor_passes_here():
     assert text.returncode == 0, text.stdout + text.stderr
     for name in NAMES:
         assert any(line.startswith(f"✓ {name}: ") for line in text.stdout.splitlines()), (name, text.stdout)
-    assert "✓ 2-rank all_reduce: torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks" in text.stdout
+    assert (
+        "✓ 2-rank all_reduce: torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks"
+        in text.stdout
+    )
 
 
 def test_missing_gloo_interface_is_named_before_any_launch(monkeypatch, capsys):
@@ -37,8 +60,10 @@ def test_missing_gloo_interface_is_named_before_any_launch(monkeypatch, capsys):
     assert doctor.main([]) == 1
     out = capsys.readouterr()
     text = out.out + out.err
-    assert any(line.startswith("✗") and "GLOO_SOCKET_IFNAME" in line and "nosuchif0" in line
-               for line in text.splitlines()), text
+    assert any(
+        line.startswith("✗") and "GLOO_SOCKET_IFNAME" in line and "nosuchif0" in line
+        for line in text.splitlines()
+    ), text
     assert "unset GLOO_SOCKET_IFNAME or set it to one of lo" in text
     assert "✗ 2-rank all_reduce: not run" in text  # short-circuited: no job was started
     assert "Traceback" not in text
@@ -54,10 +79,12 @@ def test_the_gpu_line_says_what_a_launch_gets(monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
-    for gpus, nccl, status, words in [(0, True, "pass", "no GPU: the notebooks use gloo on the CPU"),
-                                      (1, True, "pass", "the notebooks' 2-rank launches run on gloo and the CPU"),
-                                      (2, True, "pass", "2 GPU(s) (Fake GPU, Fake GPU), NCCL available"),
-                                      (1, False, "warn", "this torch has no NCCL, which the scripts pick")]:
+    for gpus, nccl, status, words in [
+        (0, True, "pass", "no GPU: the notebooks use gloo on the CPU"),
+        (1, True, "pass", "the notebooks' 2-rank launches run on gloo and the CPU"),
+        (2, True, "pass", "2 GPU(s) (Fake GPU, Fake GPU), NCCL available"),
+        (1, False, "warn", "this torch has no NCCL, which the scripts pick"),
+    ]:
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         monkeypatch.setattr(dist, "is_nccl_available", lambda nccl=nccl: nccl)
         check = doctor.check_gpus()
@@ -82,7 +109,9 @@ def test_a_crashing_check_becomes_a_failed_line(monkeypatch, capsys):
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(doctor, "check_loopback", broken)
-    monkeypatch.setattr(doctor, "check_job", lambda timeout: doctor.Check("2-rank all_reduce", "pass", "skipped"))
+    monkeypatch.setattr(
+        doctor, "check_job", lambda timeout: doctor.Check("2-rank all_reduce", "pass", "skipped")
+    )
     assert doctor.main([]) == 1
     out = capsys.readouterr()
     assert "✗ loopback ports: the check itself raised OSError: no sockets today" in out.out

@@ -129,7 +129,12 @@ def test_exit_code_without_exception(script):
 
 def test_hang_is_killed_and_the_culprit_named(script):
     path = script(HANG)
-    for limit in (4, 16, 64, 256):  # a wall-clock limit can pass before a busy machine got the ranks going: longer then
+    for limit in (
+        4,
+        16,
+        64,
+        256,
+    ):  # a wall-clock limit can pass before a busy machine got the ranks going: longer then
         with pytest.raises(TorchrunError) as info:
             torchrun(path, nproc_per_node=2, live=False, timeout=limit)
         if len(info.value.result.records()) == 2:  # both ranks reached their places (rank 1 sleeping) in time
@@ -211,10 +216,13 @@ def _parent(tmp_path: Path, target: Path) -> subprocess.Popen:
     """A separate Python process that launches a hanging job, standing in for a notebook kernel."""
     # Like a kernel, it handles SIGINT itself: a process started in the background from a shell (`cmd &`, as a
     # benchmark may run the suite) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt.
-    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            f"from ddp_helpers import torchrun\ntorchrun({str(target)!r}, nproc_per_node=2, timeout=300)\n")
-    return subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    code = (
+        "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"from ddp_helpers import torchrun\ntorchrun({str(target)!r}, nproc_per_node=2, timeout=300)\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_until_ready(proc: subprocess.Popen) -> None:
@@ -231,11 +239,15 @@ def test_interrupt_kills_every_process(script, tmp_path):
     proc = _parent(tmp_path, script(HANG))
     _wait_until_ready(proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=600)  # a safety net: the parent ends within seconds, even on a busy machine
+    _, err = proc.communicate(
+        timeout=600
+    )  # a safety net: the parent ends within seconds, even on a busy machine
     assert "KeyboardInterrupt" in err
     # One plain line before the traceback says so, and it is true.
-    assert ("ddp_helpers: interrupted; all 2 rank(s) and their torchrun agent(s) were stopped, "
-            "nothing is left running") in err, err
+    assert (
+        "ddp_helpers: interrupted; all 2 rank(s) and their torchrun agent(s) were stopped, "
+        "nothing is left running"
+    ) in err, err
     assert err.index("ddp_helpers: interrupted") < err.index("KeyboardInterrupt"), err
     assert wait_for_no_leftovers(proc.pid, within=60) == []
 
@@ -317,24 +329,27 @@ def test_torchrun_args_pass_through_for_restarts(script):
     assert result.exitcodes == {0: 0, 1: 0}
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"nproc_per_node": 0}, ValueError, "nproc_per_node must be at least 1"),
-    ({"stall_timeout": -1}, ValueError, "stall_timeout must be a positive number"),
-    ({"nproc_per_node": "2"}, TypeError, "nproc_per_node must be a whole number"),
-    ({"nproc_per_node": 2.5}, TypeError, "nproc_per_node must be a whole number"),
-    ({"nproc_per_node": True}, TypeError, "nproc_per_node must be a whole number"),
-    ({"nnodes": 0}, ValueError, "nnodes must be at least 1"),
-    ({"timeout": 0}, ValueError, "timeout must be a positive number"),
-    ({"live": [3]}, ValueError, r"names rank\(s\) \[3\]"),
-    ({"backend": "mpi"}, ValueError, "backend must be 'gloo', 'nccl'"),
-    ({"cwd": "/no/such/folder"}, FileNotFoundError, "is not a folder"),
-    ({"torchrun_args": "--max-restarts=1"}, TypeError, r"a list of flags.*\['--max-restarts=1'\]"),
-    ({"torchrun_args": ["--max-restarts", 1]}, TypeError, "must hold strings"),
-    ({"grace": -1}, ValueError, "grace must be a number of seconds, 0 or more"),
-    ({"grace": float("inf")}, ValueError, "grace must be a number of seconds"),
-    ({"env": ["NCCL_DEBUG=INFO"]}, TypeError, "env must be a dict"),
-    ({"warm": "no"}, TypeError, "warm must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"nproc_per_node": 0}, ValueError, "nproc_per_node must be at least 1"),
+        ({"stall_timeout": -1}, ValueError, "stall_timeout must be a positive number"),
+        ({"nproc_per_node": "2"}, TypeError, "nproc_per_node must be a whole number"),
+        ({"nproc_per_node": 2.5}, TypeError, "nproc_per_node must be a whole number"),
+        ({"nproc_per_node": True}, TypeError, "nproc_per_node must be a whole number"),
+        ({"nnodes": 0}, ValueError, "nnodes must be at least 1"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number"),
+        ({"live": [3]}, ValueError, r"names rank\(s\) \[3\]"),
+        ({"backend": "mpi"}, ValueError, "backend must be 'gloo', 'nccl'"),
+        ({"cwd": "/no/such/folder"}, FileNotFoundError, "is not a folder"),
+        ({"torchrun_args": "--max-restarts=1"}, TypeError, r"a list of flags.*\['--max-restarts=1'\]"),
+        ({"torchrun_args": ["--max-restarts", 1]}, TypeError, "must hold strings"),
+        ({"grace": -1}, ValueError, "grace must be a number of seconds, 0 or more"),
+        ({"grace": float("inf")}, ValueError, "grace must be a number of seconds"),
+        ({"env": ["NCCL_DEBUG=INFO"]}, TypeError, "env must be a dict"),
+        ({"warm": "no"}, TypeError, "warm must be True or False"),
+    ],
+)
 def test_bad_input_fails_fast(script, kwargs, error, match):
     path = script(HELLO)
     with pytest.raises(error, match=match):
@@ -346,8 +361,10 @@ def test_missing_script_says_what_to_do(tmp_path):
         torchrun("nowhere.py", cwd=tmp_path)
 
 
-@pytest.mark.skipif(os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "x" or Path("/dev/nvidia0").exists(),
-                    reason="this machine may have GPUs")
+@pytest.mark.skipif(
+    os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "x" or Path("/dev/nvidia0").exists(),
+    reason="this machine may have GPUs",
+)
 def test_nccl_without_gpus_gives_advice(script, monkeypatch):
     def no_python(*args, **kwargs):
         raise AssertionError(f"a fresh Python was started to count GPUs: {args}")
@@ -364,16 +381,23 @@ def test_the_warm_process_counts_the_gpus(script, monkeypatch):
 
     asked, fresh = [], []
     real_count = _warm.WarmProcess.count_gpus
-    monkeypatch.setattr(_warm.WarmProcess, "count_gpus", lambda self: asked.append(real_count(self)) or asked[-1])
-    monkeypatch.setattr(launcher.subprocess, "run", lambda *a, **k: fresh.append(a) or subprocess.CompletedProcess(
-        a, 0, f"{torch_gpu_count()}\n", ""))
+    monkeypatch.setattr(
+        _warm.WarmProcess, "count_gpus", lambda self: asked.append(real_count(self)) or asked[-1]
+    )
+    monkeypatch.setattr(
+        launcher.subprocess,
+        "run",
+        lambda *a, **k: fresh.append(a) or subprocess.CompletedProcess(a, 0, f"{torch_gpu_count()}\n", ""),
+    )
     monkeypatch.setattr(launcher, "_may_have_gpus", lambda: True)
     monkeypatch.setattr(launcher, "_GPU_COUNTS", {})
     env = launcher._plan(script=script(HELLO), backend="gloo", live=False).env  # a launch's own environment
     assert launcher._gpu_count(env, warm=True) == torch_gpu_count()
     assert asked == [torch_gpu_count() if _has_nvml() else None], asked
     assert len(fresh) == (asked == [None]), fresh
-    assert launcher._gpu_count(env, warm=True) == torch_gpu_count() and len(asked) == 1, "asked once per setting"
+    assert launcher._gpu_count(env, warm=True) == torch_gpu_count() and len(asked) == 1, (
+        "asked once per setting"
+    )
 
 
 def torch_gpu_count() -> int:
@@ -407,12 +431,15 @@ def test_backend_is_passed_to_the_script(script):
     assert torchrun(path, backend="gloo", live=False, timeout=300).records() == [{"backend": "gloo"}]
 
 
-@pytest.mark.parametrize("gpus, nproc, backend, expected", [
-    (1, 2, None, "gloo"),  # one GPU, two ranks: NCCL would send rank 1 to a cuda:1 that does not exist
-    (2, 2, None, None),  # one GPU per rank: the script chooses (NCCL)
-    (0, 2, None, None),  # no GPU: the script chooses (gloo)
-    (1, 2, "gloo", "gloo"),  # asked for: passed on as asked
-])
+@pytest.mark.parametrize(
+    "gpus, nproc, backend, expected",
+    [
+        (1, 2, None, "gloo"),  # one GPU, two ranks: NCCL would send rank 1 to a cuda:1 that does not exist
+        (2, 2, None, None),  # one GPU per rank: the script chooses (NCCL)
+        (0, 2, None, None),  # no GPU: the script chooses (gloo)
+        (1, 2, "gloo", "gloo"),  # asked for: passed on as asked
+    ],
+)
 def test_fewer_gpus_than_ranks_runs_on_gloo(script, monkeypatch, capsys, gpus, nproc, backend, expected):
     monkeypatch.delenv("DDP_BACKEND", raising=False)
     monkeypatch.setattr(launcher, "_gpu_count", lambda env, warm: gpus)
@@ -424,8 +451,13 @@ def test_fewer_gpus_than_ranks_runs_on_gloo(script, monkeypatch, capsys, gpus, n
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-X", "importtime", "-m", "ddp_helpers", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ddp_helpers", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_success_and_no_torch_in_parent(script, tmp_path):
@@ -453,22 +485,33 @@ def test_cli_failure_exit_code_and_message(script, tmp_path, monkeypatch, capsys
 
         return launch
 
-    for error in (JobFailedError("rank 0 exited with code 4.", done, rank=0, exitcode=4),
-                  JobHungError("timed out after 5 s; stuck: rank 0", done, hang=Hang("timeout", 5),
-                               stuck_ranks=[0], stacks={})):
+    for error in (
+        JobFailedError("rank 0 exited with code 4.", done, rank=0, exitcode=4),
+        JobHungError(
+            "timed out after 5 s; stuck: rank 0", done, hang=Hang("timeout", 5), stuck_ranks=[0], stacks={}
+        ),
+    ):
         monkeypatch.setattr(cli, "torchrun", raising(error))
         assert cli.main(["--timeout", "5", "fail.py", "--x", "1"]) == 1
         assert f"ddp_helpers: {error}" in capsys.readouterr().err
-    assert calls[0][0] == ("fail.py", "--x", "1") and calls[0][1]["warm"] is False and calls[0][1]["timeout"] == 5
+    assert (
+        calls[0][0] == ("fail.py", "--x", "1")
+        and calls[0][1]["warm"] is False
+        and calls[0][1]["timeout"] == 5
+    )
     monkeypatch.undo()
     script("raise SystemExit(4)\n", name="fail.py")
-    assert cli.main(["--nproc-per-node", "0", str(tmp_path / "fail.py")]) == 2  # refused before any process starts
+    assert (
+        cli.main(["--nproc-per-node", "0", str(tmp_path / "fail.py")]) == 2
+    )  # refused before any process starts
     assert "nproc_per_node must be at least 1" in capsys.readouterr().err
 
 
 def test_importing_the_package_does_not_import_torch():
-    code = ("import sys, ddp_helpers, ddp_helpers.launcher, ddp_helpers.__main__; "
-            "ddp_helpers.torchrun; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, ddp_helpers, ddp_helpers.launcher, ddp_helpers.__main__; "
+        "ddp_helpers.torchrun; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
 
 
@@ -494,14 +537,22 @@ def test_describe_environment_says_what_a_launch_gets(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
     info = describe_environment()
     assert (info["backend"], info["device"], info["launch_backend"]) == ("nccl", "cuda", "gloo"), info
-    assert ("The scripts pick backend='nccl' on device='cuda' with up to 1 rank(s) per node; a launch of 2 ranks "
-            "per node runs on backend='gloo' and the CPU") in capsys.readouterr().out
+    assert (
+        "The scripts pick backend='nccl' on device='cuda' with up to 1 rank(s) per node; a launch of 2 ranks "
+        "per node runs on backend='gloo' and the CPU"
+    ) in capsys.readouterr().out
     assert describe_environment(verbose=False, nproc_per_node=1)["launch_backend"] == "nccl"
     assert environment.launch_backend(2, 0) == ("gloo", None)  # no GPU: the scripts choose gloo themselves
     assert environment.launch_backend(2, 2) == ("nccl", None)
     assert environment.launch_backend(2, 1) == ("gloo", "gloo")  # handed to the ranks as DDP_BACKEND
-    assert environment.launch_backend(2, 1, requested="nccl") == ("nccl", "nccl")  # the launcher refuses it first
-    assert environment.launch_backend(2, 1, preset="nccl") == ("nccl", None)  # DDP_BACKEND set: the scripts read it
+    assert environment.launch_backend(2, 1, requested="nccl") == (
+        "nccl",
+        "nccl",
+    )  # the launcher refuses it first
+    assert environment.launch_backend(2, 1, preset="nccl") == (
+        "nccl",
+        None,
+    )  # DDP_BACKEND set: the scripts read it
 
 
 PROBE = """
@@ -532,8 +583,20 @@ PROBE = """
 
 def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
     path = script(PROBE, name="probe.py")
-    runs = {warm: torchrun("probe.py", "--lr", 1, cwd=tmp_path, env={"FOO": "bar"}, nproc_per_node=2, live=False,
-                           timeout=300, warm=warm).records() for warm in (False, True)}
+    runs = {
+        warm: torchrun(
+            "probe.py",
+            "--lr",
+            1,
+            cwd=tmp_path,
+            env={"FOO": "bar"},
+            nproc_per_node=2,
+            live=False,
+            timeout=300,
+            warm=warm,
+        ).records()
+        for warm in (False, True)
+    }
     cold, warm = runs[False], runs[True]
     for key in ("random", "torch_seed"):  # every process draws its own random numbers, warm or cold
         assert len({r.pop(key) for r in cold + warm}) == 4, (key, cold, warm)
@@ -541,8 +604,14 @@ def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
     assert [r.pop("preloaded") for r in cold + warm] == [False, False, True, True], (cold, warm)
     for c, w in zip(cold, warm):
         assert c == w, (c, w)
-    assert cold[0]["process"] == "MainProcess" and cold[0]["env"]["OMP_NUM_THREADS"] == "1" and cold[0]["threads"] == 1
-    assert [r["comm"] for r in cold] == ["rank0 probe", "rank1 probe"], cold  # warm too: a rank is findable by name
+    assert (
+        cold[0]["process"] == "MainProcess"
+        and cold[0]["env"]["OMP_NUM_THREADS"] == "1"
+        and cold[0]["threads"] == 1
+    )
+    assert [r["comm"] for r in cold] == ["rank0 probe", "rank1 probe"], (
+        cold
+    )  # warm too: a rank is findable by name
 
 
 def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, capsys):
@@ -577,9 +646,19 @@ def test_run_time_variables_are_read_only_inside_functions_of_torch():
     torch_dir = Path(importlib.util.find_spec("torch").origin).parent
     for name, source in _warm.RUN_TIME.items():
         tree = ast.parse((torch_dir / source).read_text())
-        in_functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                        for n in ast.walk(f)}
+        in_functions = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)
+        }
         reads = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == name]
-        assert reads and all(id(n) in in_functions for n in reads), f"{name}: read outside a function in {source}"
-        others = [p for p in torch_dir.rglob("*.py") if p != torch_dir / source and name in p.read_text(errors="ignore")]
+        assert reads and all(id(n) in in_functions for n in reads), (
+            f"{name}: read outside a function in {source}"
+        )
+        others = [
+            p
+            for p in torch_dir.rglob("*.py")
+            if p != torch_dir / source and name in p.read_text(errors="ignore")
+        ]
         assert not others, f"{name} is also named in {others}: check those reads too"

@@ -15,7 +15,9 @@ import pytest
 
 from ddp_test_support import REPO, committed_text
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted(
+    (REPO / "notebooks" / "solutions").glob("*.ipynb")
+)
 
 
 def bare_asserts(nb: nbformat.NotebookNode) -> list[str]:
@@ -37,5 +39,6 @@ def bare_asserts(nb: nbformat.NotebookNode) -> list[str]:
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_assert_in_a_code_cell_has_a_message(nb_path):
     bare = bare_asserts(nbformat.reads(committed_text(nb_path), as_version=4))  # what git holds
-    assert not bare, (f"{nb_path.name}: {len(bare)} assert(s) without a message showing what was seen:\n"
-                      + "\n".join(bare))
+    assert not bare, (
+        f"{nb_path.name}: {len(bare)} assert(s) without a message showing what was seen:\n" + "\n".join(bare)
+    )

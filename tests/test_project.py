@@ -56,7 +56,9 @@ def test_notebook_is_committed_clean(nb_path):
 def test_committed_scripts_equal_their_writefile_cells(nb_path):
     for target, body in _writefile_cells(nb_path).items():
         assert target.startswith("scripts/"), f"{target}: scripts live in notebooks/scripts/"
-        assert Path(target).name.startswith(nb_path.name[:2] + "_"), f"{target}: prefix it with the notebook's number"
+        assert Path(target).name.startswith(nb_path.name[:2] + "_"), (
+            f"{target}: prefix it with the notebook's number"
+        )
         path = REPO / "notebooks" / target
         assert path.exists(), f"{target} is written by {nb_path.name} but not committed"
         assert committed_text(path).rstrip() == body.rstrip(), f"{target} differs from its %%writefile cell"
@@ -147,20 +149,28 @@ def test_readme_lists_every_notebook():
 
 
 def test_constraints_pin_what_the_series_is_tested_with():
-    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
-                if line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
 
 
 DOCS = [REPO / "README.md", REPO / "SEED_POST.md", REPO / "CONTRIBUTING.md"]
-SHOWN_CALL = re.compile(r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()")  # inline code that reads as a statement
+SHOWN_CALL = re.compile(
+    r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()"
+)  # inline code that reads as a statement
 
 
 def _shown_code(markdown: str) -> list[str]:
     """Python a reader may copy from markdown: ```python blocks, and inline code that is a statement or a call."""
     blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", markdown, re.S)]
-    inline = [m for m in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", markdown, flags=re.S))
-              if SHOWN_CALL.match(m)]
+    inline = [
+        m
+        for m in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", markdown, flags=re.S))
+        if SHOWN_CALL.match(m)
+    ]
     return blocks + inline
 
 
@@ -210,8 +220,10 @@ def _functions(path: Path) -> dict[str, ast.FunctionDef]:
 def _device_block(setup: ast.FunctionDef) -> str:
     """The backend choice and the device/set_device `if` that every setup() shares, as an AST dump."""
     body = setup.body
-    i = next(i for i, s in enumerate(body) if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "backend")
-    nxt = next(s for s in body[i + 1:] if isinstance(s, ast.If))
+    i = next(
+        i for i, s in enumerate(body) if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "backend"
+    )
+    nxt = next(s for s in body[i + 1 :] if isinstance(s, ast.If))
     return ast.dump(body[i]) + ast.dump(nxt)
 
 
@@ -221,24 +233,40 @@ def test_setup_copies_agree_or_differ_only_as_listed():
     assert set(SETUP_VARIANTS) <= set(with_setup), "a listed variant no longer has a setup()"
     for name, setup in with_setup.items():
         if name in SETUP_VARIANTS:
-            assert _device_block(setup) == _device_block(reference), f"{name}: the device/backend choice differs"
+            assert _device_block(setup) == _device_block(reference), (
+                f"{name}: the device/backend choice differs"
+            )
         else:
             assert ast.dump(setup) == ast.dump(reference), (
-                f"{name}: setup() differs from 00_hello.py's; make them equal or list why in SETUP_VARIANTS")
-    joins = {p.name: ast.dump(_functions(p)["join_process_group"]) for p in SCRIPTS
-             if "join_process_group" in _functions(p)}
+                f"{name}: setup() differs from 00_hello.py's; make them equal or list why in SETUP_VARIANTS"
+            )
+    joins = {
+        p.name: ast.dump(_functions(p)["join_process_group"])
+        for p in SCRIPTS
+        if "join_process_group" in _functions(p)
+    }
     assert {"05_elastic.py", "06_train.py", "08_train.py"} <= set(joins) and len(set(joins.values())) == 1, (
-        f"the copies of join_process_group differ: {sorted(joins)}")
-    saves = {p.name: ast.dump(_functions(p)["save_atomically"]) for p in SCRIPTS if "save_atomically" in _functions(p)}
-    assert {"01_checkpoints.py", "06_train.py", "08_train.py"} <= set(saves) and len(set(saves.values())) == 1, (
-        f"the copies of save_atomically differ: {sorted(saves)}")
+        f"the copies of join_process_group differ: {sorted(joins)}"
+    )
+    saves = {
+        p.name: ast.dump(_functions(p)["save_atomically"])
+        for p in SCRIPTS
+        if "save_atomically" in _functions(p)
+    }
+    assert {"01_checkpoints.py", "06_train.py", "08_train.py"} <= set(saves) and len(
+        set(saves.values())
+    ) == 1, f"the copies of save_atomically differ: {sorted(saves)}"
 
 
 def test_choose_backend_applies_the_scripts_own_rule():
     """environment.choose_backend answers for the scripts: its backend expression is theirs, node for node."""
+
     def rule(function: ast.FunctionDef) -> str:
-        return next(ast.dump(s.value) for s in function.body
-                    if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "backend")
+        return next(
+            ast.dump(s.value)
+            for s in function.body
+            if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "backend"
+        )
 
     scripts = {rule(_functions(p)["setup"]) for p in SCRIPTS if "setup" in _functions(p)}
     assert scripts == {rule(_functions(REPO / "ddp_helpers" / "environment.py")["choose_backend"])}, scripts
@@ -259,12 +287,20 @@ def test_the_launch_protocol_is_spelled_only_in_its_module():
 def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
     """A learner runs a notebook in JupyterLab, edits a cell and saves: the checks still pass, and git's copy stays clean."""
     # The project as git holds it (the staged copy, never this checkout's own saved runs), in a repository of its own.
-    exported = subprocess.run(["git", "checkout-index", "--all", f"--prefix={tmp_path}/"], cwd=REPO,
-                              capture_output=True, text=True)
+    exported = subprocess.run(
+        ["git", "checkout-index", "--all", f"--prefix={tmp_path}/"], cwd=REPO, capture_output=True, text=True
+    )
     if exported.returncode != 0:
         pytest.skip(f"not a git checkout: {exported.stderr.strip()}")
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,
-                                    capture_output=True, text=True, check=True).stdout
+    git = lambda *a: (
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     git("init", "-q")
     git("add", "-A")
     git("commit", "-q", "-m", "as committed")
@@ -278,26 +314,58 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
     writefile.source += "\n# my own note, not yet written to the script\n"
     nbformat.write(nb, target)
     assert git("status", "--porcelain").strip() == "M notebooks/03_sync_batchnorm.ipynb"
-    checks = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                             "tests/test_project.py", "-k", "committed or writefile or parses"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    checks = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "tests/test_project.py",
+            "-k",
+            "committed or writefile or parses",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert checks.returncode == 0, checks.stdout[-3000:]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",  # nbmake, as the README's
-                          "notebooks/03_sync_batchnorm.ipynb"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=900)  # safety net only
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",  # nbmake, as the README's
+            "notebooks/03_sync_batchnorm.ipynb",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # safety net only
     assert run.returncode == 0, run.stdout[-3000:]
     staged = nbformat.reads(git("show", ":notebooks/03_sync_batchnorm.ipynb"), as_version=4)
     assert all(c.outputs == [] and c.execution_count is None for c in staged.cells if c.cell_type == "code")
     assert git("diff", "--cached", "--stat") == "", "nothing was staged behind the learner's back"
 
 
-OPEN_COMMANDS = {"English": ("README.md", "open-command", "notebooks/00_start_here.ipynb"),
-                 "Chinese": ("README.zh-CN.md", "open-command-zh", "notebooks/zh-CN/00_start_here.ipynb")}
+OPEN_COMMANDS = {
+    "English": ("README.md", "open-command", "notebooks/00_start_here.ipynb"),
+    "Chinese": ("README.zh-CN.md", "open-command-zh", "notebooks/zh-CN/00_start_here.ipynb"),
+}
 
 
 def test_the_chinese_open_command_differs_only_in_its_notebook():
     english, chinese = _readme_block("open-command"), _readme_block("open-command-zh", "README.zh-CN.md")
-    assert chinese == english.replace("notebooks/00_start_here.ipynb", "notebooks/zh-CN/00_start_here.ipynb"), chinese
+    assert chinese == english.replace(
+        "notebooks/00_start_here.ipynb", "notebooks/zh-CN/00_start_here.ipynb"
+    ), chinese
     assert (REPO / "notebooks" / "zh-CN" / "00_start_here.ipynb").is_file()
 
 
@@ -311,9 +379,17 @@ def test_the_open_commands_printed_address_opens_notebook_00(language):
     readme, marker, notebook = OPEN_COMMANDS[language]
     launch = _readme_block(marker, readme).split("&&")[-1].split()
     assert launch[:2] == [".venv/bin/jupyter", "lab"], launch
-    cmd = [sys.executable, "-m", "jupyterlab", *launch[2:], "--no-browser", "--ServerApp.port=0"]  # no fixed port
-    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        *launch[2:],
+        "--no-browser",
+        "--ServerApp.port=0",
+    ]  # no fixed port
+    server = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         for line in server.stderr:  # JupyterLab prints its address once it listens
             if m := re.search(r"(http://127\.0\.0\.1:\d+/\S+)", line):
@@ -344,9 +420,12 @@ SOLUTIONS = sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
 
 def _exercise_count(nb_path: Path) -> int:
     """How many numbered exercises a notebook's Exercises section lists ("1. **Title.**" ...)."""
-    text = "\n".join(c.source for c in nbformat.reads(committed_text(nb_path), as_version=4).cells
-                     if c.cell_type == "markdown")
-    section = text[text.index("## Exercises"):]
+    text = "\n".join(
+        c.source
+        for c in nbformat.reads(committed_text(nb_path), as_version=4).cells
+        if c.cell_type == "markdown"
+    )
+    section = text[text.index("## Exercises") :]
     return len(re.findall(r"^\d+\. \*\*", section, re.M))
 
 
@@ -356,11 +435,21 @@ def test_every_exercise_has_a_solution_that_ci_runs(nb_path):
     assert solution in SOLUTIONS, f"{nb_path.name} has exercises but no {solution.relative_to(REPO)}"
     count = _exercise_count(nb_path)
     cells = nbformat.reads(committed_text(solution), as_version=4).cells
-    headings = [m for c in cells if c.cell_type == "markdown" for m in re.findall(r"^## Exercise (\d+)", c.source, re.M)]
+    headings = [
+        m
+        for c in cells
+        if c.cell_type == "markdown"
+        for m in re.findall(r"^## Exercise (\d+)", c.source, re.M)
+    ]
     assert headings == [str(k) for k in range(1, count + 1)], (nb_path.name, count, headings)
-    exercises = next(c.source for c in nbformat.reads(committed_text(nb_path), as_version=4).cells
-                     if c.cell_type == "markdown" and "## Exercises" in c.source)
-    assert f"solutions/{solution.name}" in exercises, f"{nb_path.name}'s Exercises section should point to its solutions"
+    exercises = next(
+        c.source
+        for c in nbformat.reads(committed_text(nb_path), as_version=4).cells
+        if c.cell_type == "markdown" and "## Exercises" in c.source
+    )
+    assert f"solutions/{solution.name}" in exercises, (
+        f"{nb_path.name}'s Exercises section should point to its solutions"
+    )
 
 
 @pytest.mark.parametrize("nb_path", SOLUTIONS, ids=lambda p: p.name)
@@ -371,5 +460,6 @@ def test_solution_notebooks_are_committed_clean_and_parse(nb_path):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, "strip outputs before committing"
             compile(_python_of_cell(cell.source), nb_path.name, "exec")
-            assert "%%writefile scripts/" not in cell.source or "%%writefile scripts/solutions/" in cell.source, (
-                "solutions write their own scripts (scripts/solutions/), never the series' scripts")
+            assert (
+                "%%writefile scripts/" not in cell.source or "%%writefile scripts/solutions/" in cell.source
+            ), "solutions write their own scripts (scripts/solutions/), never the series' scripts"

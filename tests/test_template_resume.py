@@ -82,11 +82,17 @@ def saved_run(template, path: Path, world_size: int = 1, cuda: bool = False) -> 
     torch.rand(3, generator=loader_generator)
     states = template.rng_states(loader_generator, torch.device("cpu"))
     if cuda:
-        states["cuda"] = torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()[:16].clone()
-    rng = [states] + [template.rng_states(torch.Generator().manual_seed(r), torch.device("cpu"))
-                      for r in range(1, world_size)]
-    template.save_atomically(template.checkpoint(model, optimizer, scheduler, scaler, 1, rng, [{"epoch": 0}],
-                                                 {"seed": 0}), str(path))
+        states["cuda"] = (
+            torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()[:16].clone()
+        )
+    rng = [states] + [
+        template.rng_states(torch.Generator().manual_seed(r), torch.device("cpu"))
+        for r in range(1, world_size)
+    ]
+    template.save_atomically(
+        template.checkpoint(model, optimizer, scheduler, scaler, 1, rng, [{"epoch": 0}], {"seed": 0}),
+        str(path),
+    )
     return torch.load(path, map_location="cpu", weights_only=True), states
 
 
@@ -99,16 +105,32 @@ def test_resume_onto_another_device_restores_every_rng_stream(template, tmp_path
     cuda_states = []  # torch.cuda.set_rng_state, which needs a GPU: record what it would be given
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, dev: cuda_states.append((state, dev)))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")  # meta holds no data
-        start_epoch, history = template.restore(str(tmp_path / "last.pt"), model, optimizer, scheduler, scaler,
-                                                loader_generator, rank=0, world_size=1, device=device)
+        warnings.filterwarnings(
+            "ignore", message=".*copying from a non-meta parameter.*"
+        )  # meta holds no data
+        start_epoch, history = template.restore(
+            str(tmp_path / "last.pt"),
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+            loader_generator,
+            rank=0,
+            world_size=1,
+            device=device,
+        )
     assert (start_epoch, history) == (2, [{"epoch": 0}]), (start_epoch, history)
     assert torch.equal(torch.get_rng_state(), states["torch"]), "the torch CPU stream was not restored"
     assert random.getstate() == states["python"], "Python's stream was not restored"
-    assert torch.equal(loader_generator.get_state(), states["loader"]), "the DataLoader's generator was not restored"
+    assert torch.equal(loader_generator.get_state(), states["loader"]), (
+        "the DataLoader's generator was not restored"
+    )
     assert len(cuda_states) == 1 and cuda_states[0][1] == device, cuda_states
     state = cuda_states[0][0]
-    assert state.device.type == "cpu" and state.dtype == torch.uint8, (state.device, state.dtype)  # what it accepts
+    assert state.device.type == "cpu" and state.dtype == torch.uint8, (
+        state.device,
+        state.dtype,
+    )  # what it accepts
     assert torch.equal(state, states["cuda"]), "the CUDA stream got another state than the saved one"
     # The rest went where the model is, or holds no tensors at all.
     momentum = [s["momentum_buffer"] for s in optimizer.state.values()]
@@ -121,13 +143,24 @@ def test_resume_on_the_cpu_loads_the_weights_and_optimizer(template, tmp_path, r
     saved, _ = saved_run(template, tmp_path / "last.pt")
     model, optimizer, scheduler, scaler = training_objects(template, torch.device("cpu"))
     torch.nn.init.zeros_(model[-1].weight)  # differ from the checkpoint somewhere
-    template.restore(str(tmp_path / "last.pt"), model, optimizer, scheduler, scaler, torch.Generator(), rank=0,
-                     world_size=1, device=torch.device("cpu"))
+    template.restore(
+        str(tmp_path / "last.pt"),
+        model,
+        optimizer,
+        scheduler,
+        scaler,
+        torch.Generator(),
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+    )
     differ = [k for k, v in model.state_dict().items() if not torch.equal(v, saved["model"][k])]
     assert not differ, differ
     restored = optimizer.state_dict()["state"]
-    assert all(torch.equal(restored[i]["momentum_buffer"], s["momentum_buffer"])
-               for i, s in saved["optimizer"]["state"].items()), "momentum buffers differ"
+    assert all(
+        torch.equal(restored[i]["momentum_buffer"], s["momentum_buffer"])
+        for i, s in saved["optimizer"]["state"].items()
+    ), "momentum buffers differ"
 
 
 def test_resume_refuses_a_checkpoint_of_another_world_size(template, tmp_path, rng_kept):
@@ -136,11 +169,22 @@ def test_resume_refuses_a_checkpoint_of_another_world_size(template, tmp_path, r
     model, optimizer, scheduler, scaler = training_objects(template, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(SystemExit) as refused:
-        template.restore(str(tmp_path / "last.pt"), model, optimizer, scheduler, scaler, torch.Generator(), rank=0,
-                         world_size=1, device=torch.device("cpu"))
+        template.restore(
+            str(tmp_path / "last.pt"),
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+            torch.Generator(),
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+        )
     message = str(refused.value)
     assert "saved by 2 ranks, this run has 1" in message and "Resume with 2 ranks" in message, message
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "refused, yet it loaded weights"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), (
+        "refused, yet it loaded weights"
+    )
 
 
 def test_main_resumes_through_restore(template):

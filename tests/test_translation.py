@@ -42,20 +42,38 @@ def test_the_chinese_twin_is_clean_and_written_in_chinese(en):
     for cell in cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, "strip outputs before committing"
-    prose = [c.source for c in cells if c.cell_type == "markdown" and len(re.sub(r"```.*?```", "", c.source, flags=re.S)) > 40]
+    prose = [
+        c.source
+        for c in cells
+        if c.cell_type == "markdown" and len(re.sub(r"```.*?```", "", c.source, flags=re.S)) > 40
+    ]
     untranslated = [p[:80] for p in prose if not CJK.search(re.sub(r"```.*?```", "", p, flags=re.S))]
     assert not untranslated, f"{zh.name}: markdown cells without Chinese: {untranslated}"
 
 
 def test_glossary_and_chinese_readme():
     glossary = (ZH / "术语表.md").read_text()
-    for term in ("rank", "local rank", "world size", "process group", "collective", "all-reduce", "sampler",
-                 "padding", "bucket", "elastic restart"):
+    for term in (
+        "rank",
+        "local rank",
+        "world size",
+        "process group",
+        "collective",
+        "all-reduce",
+        "sampler",
+        "padding",
+        "bucket",
+        "elastic restart",
+    ):
         assert f"| {term}" in glossary, f"the glossary lacks {term!r}"
     zh_readme = (REPO / "README.zh-CN.md").read_text()
     en_readme = (REPO / "README.md").read_text()
-    assert "README.zh-CN.md" in en_readme.split("\n## ")[0], "README.md should link the Chinese one at its top"
-    assert "README.md" in zh_readme.split("\n## ")[0], "README.zh-CN.md should link the English one at its top"
+    assert "README.zh-CN.md" in en_readme.split("\n## ")[0], (
+        "README.md should link the Chinese one at its top"
+    )
+    assert "README.md" in zh_readme.split("\n## ")[0], (
+        "README.zh-CN.md should link the English one at its top"
+    )
     for marker in ("open-command", "test-command", "site-command"):
         block = re.search(rf"<!-- {marker} -->.*?<!-- /{marker} -->", en_readme, re.S)[0]
         assert block in zh_readme, f"README.zh-CN.md must give the same {marker} as README.md"

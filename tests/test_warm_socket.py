@@ -58,13 +58,16 @@ def test_an_exit_that_arrives_with_the_pid_is_not_lost(tmp_path):
     assert agent.poll() == 3, "the exit message came in the same read as the pid"
 
 
-@pytest.mark.parametrize("request_bytes", [
-    protocol.pack_message({"argv": [], "env": {}, "cwd": "/"})[:-5],  # the client leaves mid-message
-    b"\x00\x00\x00\x05{not",  # a whole message that is not JSON
-    b"\x00",  # not even a whole length
-    protocol.pack_message([1, 2]),  # JSON, but not a request
-    protocol.pack_message({"count_gpus": True}),  # a question that takes no descriptors, sent with three
-])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        protocol.pack_message({"argv": [], "env": {}, "cwd": "/"})[:-5],  # the client leaves mid-message
+        b"\x00\x00\x00\x05{not",  # a whole message that is not JSON
+        b"\x00",  # not even a whole length
+        protocol.pack_message([1, 2]),  # JSON, but not a request
+        protocol.pack_message({"count_gpus": True}),  # a question that takes no descriptors, sent with three
+    ],
+)
 def test_a_bad_request_is_answered_and_leaks_nothing(request_bytes):
     pytest.importorskip("torch")  # the warm process's side imports torch
     server_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -109,7 +112,10 @@ def test_a_warm_process_on_such_a_torch_says_so_instead_of_ready(monkeypatch, ca
     server.start()
     server.join(timeout=120)  # a guard against a warm process that went on to serve, not a measure of speed
     assert not server.is_alive(), "the warm process started serving on a torch that lacks an internal"
-    assert capsys.readouterr().out == "unsupported: this torch lacks torch.distributed.elastic.multiprocessing.api._wrap\n"
+    assert (
+        capsys.readouterr().out
+        == "unsupported: this torch lacks torch.distributed.elastic.multiprocessing.api._wrap\n"
+    )
     assert not (tmp_path / "warm.sock").exists(), "it never listened"
 
 
@@ -122,11 +128,16 @@ def test_a_torch_without_an_internal_launches_cold_with_one_note(monkeypatch, ca
     monkeypatch.setattr(_warm, "_unsupported", None)
     monkeypatch.setattr(launcher, "_NOTED", set())
     env = dict(os.environ)
-    with pytest.raises(_warm.WarmUnsupported, match=r"this torch lacks torch\.distributed\.elastic\.multiprocessing"
-                                                   r"\.api\._wrap"):
+    with pytest.raises(
+        _warm.WarmUnsupported,
+        match=r"this torch lacks torch\.distributed\.elastic\.multiprocessing"
+        r"\.api\._wrap",
+    ):
         _warm.warm_process(env)
     monkeypatch.setattr(_warm, "WarmProcess", None)  # from now on, starting one would fail loudly
     assert launcher._warm_process(env) is None and launcher._warm_process(env) is None  # two launches: cold
-    note = ("ddp_helpers: warm launches are off (this torch lacks torch.distributed.elastic.multiprocessing.api._wrap): "
-            "every launch starts a fresh torchrun\n")
+    note = (
+        "ddp_helpers: warm launches are off (this torch lacks torch.distributed.elastic.multiprocessing.api._wrap): "
+        "every launch starts a fresh torchrun\n"
+    )
     assert capsys.readouterr().out == note

@@ -74,12 +74,14 @@ LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)(#[^)\s]*)?\)")
 def site_links(text: str, notebook: bool) -> str:
     """Relative links as the site needs them: README.md is the home page; in a notebook, .md and .ipynb
     targets become the .html pages (mkdocs rewrites those of Markdown pages itself)."""
+
     def fix(m: re.Match) -> str:
         target, anchor = m[1], m[2] or ""
         target = re.sub(r"(^|/)README\.md$", r"\1index.md", target)
         if notebook:
             target = re.sub(r"\.(md|ipynb)$", ".html", target)
         return f"]({target}{anchor})"
+
     return LINK.sub(fix, text)
 
 
@@ -97,8 +99,10 @@ def gather() -> list[str]:
     for page in PAGES:
         if not (ROOT / page).is_file():
             raise SystemExit(f"{page} is missing")
-        text = site_links((ROOT / page).read_text(encoding="utf-8").replace("(notebooks/zh-CN/)", "(README.zh-CN.md)"),
-                          notebook=False)
+        text = site_links(
+            (ROOT / page).read_text(encoding="utf-8").replace("(notebooks/zh-CN/)", "(README.zh-CN.md)"),
+            notebook=False,
+        )
         target = SOURCE / ("index.md" if page == "README.md" else page)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
@@ -113,18 +117,21 @@ def gather() -> list[str]:
             nb.cells.insert(0, nbformat.v4.new_markdown_cell(f"中文版：[{path.stem}]({link})"))
         write_notebook(nb, SOURCE / rel)
         nav.append(rel.as_posix())
-    shutil.copytree(NOTEBOOKS / "images", SOURCE / "notebooks" / "images",
-                    ignore=shutil.ignore_patterns("*.mmd"))  # the diagrams, pre-rendered (tools/render_diagrams.py)
+    shutil.copytree(
+        NOTEBOOKS / "images", SOURCE / "notebooks" / "images", ignore=shutil.ignore_patterns("*.mmd")
+    )  # the diagrams, pre-rendered (tools/render_diagrams.py)
     glossary = NOTEBOOKS / "zh-CN" / "术语表.md"
     if glossary.is_file():
         shutil.copy(glossary, SOURCE / glossary.relative_to(ROOT))
     for script in sorted((NOTEBOOKS / "scripts").glob("*.py")):
         page = SOURCE / "notebooks" / "scripts" / f"{script.stem}.md"
         page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text(f"# scripts/{script.name}\n\nWritten by a `%%writefile` cell of notebook "
-                        f"{script.name[:2]}; run it yourself with `torchrun --standalone --nproc-per-node=2 "
-                        f"scripts/{script.name}` from `notebooks/`.\n\n```python\n{script.read_text()}```\n",
-                        encoding="utf-8")
+        page.write_text(
+            f"# scripts/{script.name}\n\nWritten by a `%%writefile` cell of notebook "
+            f"{script.name[:2]}; run it yourself with `torchrun --standalone --nproc-per-node=2 "
+            f"scripts/{script.name}` from `notebooks/`.\n\n```python\n{script.read_text()}```\n",
+            encoding="utf-8",
+        )
     return nav
 
 
@@ -132,13 +139,18 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
     """mkdocs.yml for the gathered sources: English, then the Chinese edition, then the rest."""
     main = [p for p in nav if "/solutions/" not in p]
     solutions = [p for p in nav if "/solutions/" in p]
-    zh = [p.replace("notebooks/", "notebooks/zh-CN/", 1) for p in nav
-          if (SOURCE / p.replace("notebooks/", "notebooks/zh-CN/", 1)).is_file()]
+    zh = [
+        p.replace("notebooks/", "notebooks/zh-CN/", 1)
+        for p in nav
+        if (SOURCE / p.replace("notebooks/", "notebooks/zh-CN/", 1)).is_file()
+    ]
     scripts = sorted(f"notebooks/scripts/{p.name}" for p in (SOURCE / "notebooks" / "scripts").glob("*.md"))
     config = {
         "site_name": "ddp-notebooks",
-        "site_description": ("PyTorch DistributedDataParallel, one concept per notebook, every claim proven by a "
-                             "cell that runs"),
+        "site_description": (
+            "PyTorch DistributedDataParallel, one concept per notebook, every claim proven by a "
+            "cell that runs"
+        ),
         "docs_dir": str(SOURCE),
         "site_dir": str(out),
         "use_directory_urls": False,  # plain .html files: the site also opens from disk
@@ -153,8 +165,13 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
             {"Home": "index.md"},
             {"Notebooks": main},
             {"Solutions": solutions},
-            {"中文": ["README.zh-CN.md", *[p for p in zh if "/solutions/" not in p],
-                      {"参考答案": [p for p in zh if "/solutions/" in p]}]},
+            {
+                "中文": [
+                    "README.zh-CN.md",
+                    *[p for p in zh if "/solutions/" not in p],
+                    {"参考答案": [p for p in zh if "/solutions/" in p]},
+                ]
+            },
             {"Scripts": scripts},
             "SEED_POST.md",
             "WORKSHOP.md",
@@ -167,12 +184,16 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=str(ROOT / "site"))
     args = parser.parse_args()
     config = mkdocs_config(gather(), Path(args.out).resolve())
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "--config-file", str(config)],
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--config-file", str(config)],
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     if done.returncode == 0:
         print(f"site written to {args.out}: open {Path(args.out) / 'index.html'}")
     return done.returncode
