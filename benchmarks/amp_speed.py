@@ -65,7 +65,7 @@ def main() -> None:
         for i in range(args.rounds):
             for amp in ["none", args.amp] if i % 2 == 0 else [args.amp, "none"]:
                 rates[amp].append(samples_per_s(amp, data, os.path.join(out, f"{amp}{i}"), args.epochs))
-    ratios = [low / full for low, full in zip(rates[args.amp], rates["none"])]
+    ratios = [low / full for low, full in zip(rates[args.amp], rates["none"], strict=True)]
     print(f"2 ranks, {args.rounds} rounds, {os.cpu_count()} CPU cores, Python {sys.version.split()[0]}")
     for amp, values in rates.items():
         print(

@@ -73,7 +73,7 @@ def _plain(common: list[str], out: Path, env: dict, copies: int) -> float:
 def run(way: str, common: list[str]) -> float:
     """Training samples per second of one way (see the module docstring)."""
     name, threads = way.rsplit(" @", 1)
-    # else the defaults split the cores: torch's own for 1 rank (all of them), torchrun's OMP_NUM_THREADS=1 for 2
+    # else the defaults split the cores: torch's own for 1 rank (all), torchrun's OMP_NUM_THREADS=1 for 2
     env = {"OMP_NUM_THREADS": "1"} if threads == ONE_THREAD else {}
     out = RESULTS / "runs" / way.replace(" ", "_").replace("@", "").replace("/", "_")
     if name in ("plain python", "2 independent"):
@@ -120,7 +120,10 @@ def main() -> None:
     split = med[f"DDP 2 ranks @{SPLIT}"] / med[f"DDP 1 rank @{SPLIT}"]
     # the same ratio round by round, to show the spread of the medians above
     per_round = [
-        b / a for a, b in zip(figures[f"DDP 1 rank @{ONE_THREAD}"], figures[f"DDP 2 ranks @{ONE_THREAD}"])
+        b / a
+        for a, b in zip(
+            figures[f"DDP 1 rank @{ONE_THREAD}"], figures[f"DDP 2 ranks @{ONE_THREAD}"], strict=True
+        )
     ]
     train_items = sum(1 for _ in (data / "train").rglob("*.png"))
     print(
@@ -150,7 +153,7 @@ def main() -> None:
     labels = [w.replace(" @", "\n") for w in WAYS]
     colours = ["grey", "tab:blue", "tab:orange", "lightgrey", "tab:blue", "tab:orange"]
     ax.bar(labels, [med[w] for w in WAYS], color=colours)
-    for label, w in zip(labels, WAYS):
+    for label, w in zip(labels, WAYS, strict=True):
         ax.plot([label] * len(figures[w]), figures[w], "k.", alpha=0.5)
     ax.set_ylabel("training samples / s")
     ax.set_title(

@@ -1,7 +1,7 @@
 """GPU check: what only a CUDA machine can show, as one script that fits in a few minutes.
 
-Not part of CI (CI has no GPU). It runs, in this order (the most important first, so that a run cut short still
-says the most):
+Not part of CI (CI has no GPU). It runs, in this order (the most important first, so that a run cut short
+still says the most):
   1. notebook 08's template: float16 + GradScaler with --deterministic, an uninterrupted run against one that
      crashes after epoch 1 and is restarted by torchrun --max-restarts=1 and resumes: bit-identical weights
      (asserted); two uninterrupted runs with and without --deterministic (reported);
@@ -32,9 +32,9 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ddp_helpers import describe_environment, make_image_folder, torchrun
-
 import capstone_scaling  # beside this file (python puts the script's folder on sys.path)
+
+from ddp_helpers import describe_environment, make_image_folder, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -111,7 +111,7 @@ cli = parser.parse_args()
 
 info = describe_environment(verbose=False)
 gpus = info["gpu_count"]
-# GPU_CHECK_ON_CPU=1 runs the harness on a CPU machine, to try it before spending GPU time (the GPU checks then fail).
+# GPU_CHECK_ON_CPU=1 runs the harness on a CPU machine, to try it before spending GPU time (GPU checks fail).
 assert gpus >= 1 or os.environ.get("GPU_CHECK_ON_CPU") == "1", "this check needs a CUDA GPU"
 NPROC = max(1, min(2, gpus))  # NCCL needs one GPU per rank
 
@@ -134,7 +134,10 @@ def _():
 @check("08 fp16 + GradScaler + --deterministic: a crash restarted by torchrun resumes bit-identical")
 def _():
     common = ["--data", str(capstone_data()), "--num-epochs", "4", "--accum", "2", "--amp", "fp16"]
-    out = lambda name: ["--out", f"runs/gpu08/{name}"]
+
+    def out(name: str) -> list[str]:
+        return ["--out", f"runs/gpu08/{name}"]
+
     shutil.rmtree(NOTEBOOKS / "runs" / "gpu08", ignore_errors=True)
     det = ["--deterministic"]
     first = run("08_train.py", *common, *det, *out("det_a"), nproc=NPROC).records()
@@ -282,16 +285,17 @@ def _():
         NOTEBOOKS / "data" / "bench", num_classes=4, images_per_class=320, size=32, seed=0, val_fraction=0.2
     )
     common = ["--data", str(big), "--num-epochs", "4", "--batch-size", "32"]
+    # measured as the scaling benchmark measures them
     figures = {
         name: round(capstone_scaling.run(f"{name} @{capstone_scaling.SPLIT}", common))
         for name in ("DDP 1 rank", "plain python")
-    }  # measured as the scaling benchmark measures them
+    }
     return {"val_acc": done["val_acc"], "samples_per_s": figures}
 
 
 def run_notebook(nb: Path, logs: Path) -> dict:
-    """One notebook under nbmake, in a fresh copy of the repository's tracked files (notebooks that run at once
-    then never share a data or runs folder)."""
+    """One notebook under nbmake, in a fresh copy of the repository's tracked files (notebooks that run at
+    once then never share a data or runs folder)."""
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
         for rel in filter(None, files.decode().split("\0")):

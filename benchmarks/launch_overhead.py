@@ -1,8 +1,8 @@
-"""Launch overhead of ddp_helpers: the same 2-rank job through raw torchrun, torchrun(...) cold and warm, and the CLI.
+"""Launch overhead of ddp_helpers: one 2-rank job by raw torchrun, torchrun(...) cold and warm, and the CLI.
 
 Every round runs each way once, in a rotated order, and the ratios are taken within the round (the ways
 run back to back, so slow drifts of a shared machine cancel); the medians over rounds are printed.
-- cold: ``torchrun(..., warm=False)``, a fresh torchrun process, as the command line does. Goal <= 1.05 of raw.
+- cold: ``torchrun(..., warm=False)``, a fresh torchrun process, as the command line does. Goal <= 1.05.
 - CLI: ``python -m ddp_helpers``. Goal <= 1.10 of raw.
 - warm, first: the first launch of a kernel, which starts the warm process. Goal <= 1.0 of raw.
 - warm, later: the median of 3 launches after it. Goal <= 0.15 of raw.
@@ -55,7 +55,9 @@ def main() -> None:
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
             f.write(JOB)
-        warm = lambda: torchrun(script, nproc_per_node=n, live=False, timeout=300)
+
+        def warm() -> None:
+            torchrun(script, nproc_per_node=n, live=False, timeout=300)
 
         def warm_first() -> None:
             _warm.shutdown()  # the next launch starts a new warm process, as a kernel's first launch does
@@ -93,7 +95,7 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in ways}
         names = list(ways)
         for i in range(args.rounds):
-            # rotate, so no way always runs first; "later" always right after "first" (it needs a warm process)
+            # rotate, so no way always runs first; "later" right after "first" (it needs a warm process)
             order = names[i % len(names) :] + names[: i % len(names)]
             if order.index("warm, later launches") < order.index("warm, first launch"):
                 order.remove("warm, later launches")
@@ -106,7 +108,7 @@ def main() -> None:
         print(f"  {name:26s} median {statistics.median(ts):6.2f} s  (min {min(ts):.2f}, max {max(ts):.2f})")
     raw = times["raw torchrun"]
     for name, goal in GOALS.items():
-        paired = statistics.median(t / r for t, r in zip(times[name], raw))
+        paired = statistics.median(t / r for t, r in zip(times[name], raw, strict=True))
         print(
             f"{name:26s} / raw torchrun: median of per-round ratios {paired:.3f} (goal <= {goal}); "
             f"ratio of medians {statistics.median(times[name]) / statistics.median(raw):.3f}"

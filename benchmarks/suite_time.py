@@ -52,9 +52,8 @@ def by_file(report: str) -> dict[str, float]:
     """Seconds per test file (unit tests) or notebook, from the JUnit report."""
     times: dict[str, float] = collections.defaultdict(float)
     for case in ET.parse(report).iter("testcase"):
-        name = case.get(
-            "classname", "?"
-        )  # "tests.test_launcher", or "notebooks.solutions.00_x.ipynb" for nbmake
+        # "tests.test_launcher", or "notebooks.solutions.00_x.ipynb" for nbmake
+        name = case.get("classname", "?")
         path = (
             name[:-6].replace(".", "/") + ".ipynb"
             if name.endswith(".ipynb")

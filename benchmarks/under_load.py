@@ -43,9 +43,10 @@ def main() -> int:
             )
             summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
             outcomes.append(done.returncode == 0)
+            outcome = "passed" if done.returncode == 0 else "FAILED"
+            seconds = time.perf_counter() - start
             print(
-                f"run {run}: {'passed' if done.returncode == 0 else 'FAILED'} in {time.perf_counter() - start:.0f} s "
-                f"with {args.hogs} busy process(es): {summary}",
+                f"run {run}: {outcome} in {seconds:.0f} s with {args.hogs} busy process(es): {summary}",
                 flush=True,
             )
             if done.returncode != 0:

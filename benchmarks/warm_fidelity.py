@@ -1,9 +1,9 @@
 """Fidelity of warm launches: every script of the series, launched warm and cold, must report the same.
 
 Runs each script of ``notebooks/scripts`` the way its notebook does, once with ``warm=False`` (a fresh
-torchrun process) and once warm, and compares what the ranks printed: the JSON records with timing fields
-left out, or, for the scripts that fail or hang on purpose, which rank was blamed, how it ended and why.
-Prints one line per script and exits non-zero if any differs. Usage: ``python benchmarks/warm_fidelity.py [NAME_PREFIX]``
+torchrun process) and once warm, and compares what the ranks printed: the JSON records with timing fields left
+out, or, for the scripts that fail or hang on purpose, which rank was blamed, how it ended and why. Prints one
+line per script and exits non-zero if any differs. Usage: ``python benchmarks/warm_fidelity.py [NAME_PREFIX]``
 (about 3 minutes on 2 cores; it writes to the git-ignored notebooks/runs/ and notebooks/data/).
 """
 
@@ -43,8 +43,8 @@ def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs
     try:
         result = torchrun(f"scripts/{script}", *args, live=False, warm=warm, **{"timeout": 300, **kwargs})
     except TorchrunError as err:
-        # Which exceptions the ranks raised; not which rank came first when several raise at once, nor the exit
-        # code of a rank stopped while shutting down (now and then -6 or -15 instead of 1: see notebook 00).
+        # Which exceptions the ranks raised; not which rank came first when several raise at once, nor the
+        # exit code of a rank stopped while shutting down (at times -6 or -15 instead of 1: see notebook 00).
         raised = sorted(set(re.findall(r"rank \d+ raised (\w+)", str(err))))
         return {
             "failed": True,

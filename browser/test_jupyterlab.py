@@ -92,8 +92,8 @@ def _outputs(page) -> str:
 def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chromium, lab, unit_helpers):
     server, address = lab
     page = chromium.new_page()
-    # The page shows "Idle" before its kernel is connected, and a Run All clicked then runs nothing: wait for the
-    # kernel's first reply on the page's websocket instead.
+    # The page shows "Idle" before its kernel is connected, and a Run All clicked then runs nothing: wait for
+    # the kernel's first reply on the page's websocket instead.
     connected = []
     page.on(
         "websocket",

@@ -28,10 +28,11 @@ def _fetch(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def site(free_port):
-    """Build the site as the README's site command does (from the notebooks this run executed), then serve it."""
+    """Build the site as the README's site command does (from the notebooks this run executed); serve it."""
+    # a safety net: it executes only notebooks the run did not
     built = subprocess.run(
         [sys.executable, "tools/build_site.py"], cwd=REPO, capture_output=True, text=True, timeout=3600
-    )  # a safety net: it executes only notebooks the run did not
+    )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     server = subprocess.Popen(
         [

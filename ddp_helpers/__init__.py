@@ -23,11 +23,11 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-if TYPE_CHECKING:
-    from ddp_helpers.datasets import make_image_folder
-    from ddp_helpers.environment import choose_backend, describe_environment, series_folder
-    from ddp_helpers.launcher import torchrun
-    from ddp_helpers.outcome import JobFailedError, JobHungError, TorchrunError, TorchrunResult
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads each name on first use
+    from ddp_helpers.datasets import make_image_folder  # noqa: F401
+    from ddp_helpers.environment import choose_backend, describe_environment, series_folder  # noqa: F401
+    from ddp_helpers.launcher import torchrun  # noqa: F401
+    from ddp_helpers.outcome import JobFailedError, JobHungError, TorchrunError, TorchrunResult  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

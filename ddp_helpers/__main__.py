@@ -1,4 +1,4 @@
-"""Command line: ``python -m ddp_helpers [--nproc-per-node N] [--nnodes K] [--timeout S] SCRIPT [ARGS...]``."""
+"""Command line: ``python -m ddp_helpers [--nproc-per-node N] [--nnodes K] [--timeout S] SCRIPT [ARGS]``."""
 
 from __future__ import annotations
 

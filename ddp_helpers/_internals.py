@@ -36,7 +36,7 @@ INTERNALS = (
 
 
 def missing() -> list[str]:
-    """The internals of ``INTERNALS`` this torch lacks, as dotted names; empty where warm launches can work."""
+    """The internals of ``INTERNALS`` this torch lacks, as dotted names; empty: warm launches can work."""
     lacking = []
     for spec in INTERNALS:
         module, _, path = spec.partition(":")
@@ -51,7 +51,7 @@ def missing() -> list[str]:
 
 def fork_workers(torchrun_module) -> None:
     """In a warm agent: keep everything torchrun builds from its flags, but fork each worker to run the worker
-    wrapper as a function. Every change patches this agent process only, which was forked for this one launch."""
+    wrapper as a function. Every change patches this agent only, a process forked for this one launch."""
     from multiprocessing import synchronize
 
     from torch.distributed.elastic.multiprocessing import api
@@ -71,8 +71,8 @@ def fork_workers(torchrun_module) -> None:
     wrap = api._wrap
 
     def wrap_and_leave(*args):
-        # torch's wrapper keeps a function worker alive until the agent has read its return value; a script run
-        # by python exits when it ends, closing its connections, and its peers notice. Behave like the script.
+        # torch's wrapper keeps a function worker alive until the agent has read its return value; a script
+        # run by python exits when it ends, closing its connections, and its peers notice: behave like that.
         wrap(*[_NoWait() if isinstance(a, synchronize.Event) else a for a in args])
 
     config_from_args = torchrun_module.config_from_args
@@ -113,8 +113,8 @@ def cuda_devices() -> int | None:
 
 
 class MainProcess:
-    """The warm process's own multiprocessing identity, remembered there and restored in each forked rank, so that
-    a rank reports what a fresh interpreter would ("MainProcess", no parent process)."""
+    """The warm process's own multiprocessing identity, remembered there and restored in each forked rank, so
+    that a rank reports what a fresh interpreter would ("MainProcess", no parent process)."""
 
     def __init__(self):
         import multiprocessing

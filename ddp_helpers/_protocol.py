@@ -5,8 +5,8 @@ node, ``python -m ddp_helpers._agent TORCHRUN_ARGS -m ddp_helpers._worker SCRIPT
 group of its own, with the variables below in its environment and the read end of the **lifeline**
 pipe as its stdin. Everything else travels through files in the run folder:
 
-- ``rank{r}.stdout``, ``rank{r}.stderr``: global rank ``r``'s output; the worker wrapper points the rank's file
-  descriptors 1 and 2 at them (appending, so a restarted attempt continues the same files).
+- ``rank{r}.stdout``, ``rank{r}.stderr``: global rank ``r``'s output; the worker wrapper points the rank's
+  file descriptors 1 and 2 at them (appending, so a restarted attempt continues the same files).
 - ``rank{r}.status``: one JSON object per line, appended by the worker wrapper: ``start`` (pid, pgid, local
   and group rank, restart count), then ``exception`` (type, message) if the script raised, then
   ``exit`` (code). Each has a ``time`` (``time.time()``). A restart appends a new ``start``.
@@ -70,7 +70,7 @@ def hold_lifeline(remove: str | None = None) -> None:
 
 
 def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
-    """Block until the launcher is gone (even after SIGKILL), ``remove`` a folder, then kill this process group."""
+    """Wait until the launcher is gone (even by SIGKILL), ``remove`` a folder, kill this process group."""
     import shutil
     import stat
     import time
@@ -114,7 +114,7 @@ def pack_message(message: dict) -> bytes:
 
 
 class MessageReader:
-    """Messages from one stream socket: a read may end inside a message or hold several, so bytes wait here."""
+    """Messages from one stream socket: a read may end inside a message or hold several; bytes wait here."""
 
     def __init__(self, data: bytes = b""):
         self._buffer = b""
@@ -133,7 +133,7 @@ class MessageReader:
             self._buffer = self._buffer[_HEADER.size + size :]
 
     def receive(self, conn: socket.socket) -> None:
-        """One read from ``conn`` (call it when it is readable); EOFError when the other side has closed it."""
+        """One read from ``conn`` (call it when it is readable); EOFError once the other side closed it."""
         data = conn.recv(65536)
         if not data:
             raise EOFError("the other side closed the connection" + (" mid-message" if self._buffer else ""))

@@ -32,12 +32,13 @@ import time
 
 from ddp_helpers import _protocol as protocol
 
+# how the warm process starts (its socket follows)
 COMMAND = [
     sys.executable,
     "-u",
     "-m",
     protocol.WARM_MODULE,
-]  # how the warm process starts (its socket follows)
+]
 
 # Variables torch and its libraries read when torch is imported (or when a library is loaded): a warm
 # process imported torch under the values it started with, so a launch that needs other values runs cold.
@@ -54,15 +55,17 @@ IMPORT_TIME_PREFIXES = (
     "LD_",
     "PYTHON",
 )
+# the same for every launch, or applied by each forked worker itself
 OWN = (
     "PYTHONUNBUFFERED",
     "OMP_NUM_THREADS",
-)  # the same for every launch, or applied by each forked worker itself
+)
 # Variables with those prefixes that torch reads only at run time, inside a function that a forked agent or
 # rank calls, so a warm launch honours them; each with the one torch source file that reads it (a test checks
 # that every read there is inside a function, and that no other file of torch names the variable).
 RUN_TIME = {
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "distributed/elastic/rendezvous/dynamic_rendezvous.py",  # 05's remedy
+    # notebook 05's restart remedy
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "distributed/elastic/rendezvous/dynamic_rendezvous.py",
 }
 
 
@@ -75,7 +78,7 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
     }
 
 
-# ---- the kernel's side -------------------------------------------------------------------------------------
+# ---- the kernel's side -----------------------------------------------------------------------------------
 
 
 class WarmUnsupported(RuntimeError):
@@ -100,9 +103,8 @@ class WarmProcess:
             cwd=self.folder,
             start_new_session=True,
         )
-        line = (
-            self.proc.stdout.readline().decode(errors="replace").strip()
-        )  # "ready": torch imported, listening
+        # "ready": torch imported, listening
+        line = self.proc.stdout.readline().decode(errors="replace").strip()
         if line != "ready":
             self.close()
             if line.startswith("unsupported: "):
@@ -115,7 +117,7 @@ class WarmProcess:
     def start_agent(
         self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int]
     ) -> WarmAgent:
-        """Fork an agent running ``torch.distributed.run`` with ``argv``; ``fds``: its lifeline, stdout, stderr."""
+        """Fork an agent running ``torch.distributed.run`` on ``argv``; ``fds``: lifeline, stdout, stderr."""
         conn, reader, reply = self._ask({"argv": argv, "env": env, "cwd": cwd}, list(fds))
         if "error" in reply:
             conn.close()
@@ -159,7 +161,7 @@ class WarmProcess:
 
 
 class WarmAgent:
-    """A forked agent, with the parts of ``subprocess.Popen`` the launcher uses (pid, poll, wait, returncode)."""
+    """A forked agent, with what the launcher uses of ``subprocess.Popen`` (pid, poll, wait, returncode)."""
 
     def __init__(self, pid: int, conn: socket.socket, reader: protocol.MessageReader):
         self.pid, self.conn, self.returncode = pid, conn, None
@@ -247,7 +249,7 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass  # the launcher stopped listening; the agent is reaped all the same
 
 
-# ---- the warm process ----------------------------------------------------------------------------------------
+# ---- the warm process ------------------------------------------------------------------------------------
 
 
 def serve(address: str) -> None:
@@ -333,7 +335,7 @@ def _become_agent(request: dict, fds: list[int], sockets: list[socket.socket]) -
         os.setsid()
         for sock in sockets:
             sock.close()
-        for target, fd in zip((0, 1, 2), fds):
+        for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
         os.chdir(request["cwd"])
         os.environ.clear()

@@ -1,4 +1,4 @@
-"""The worker wrapper: runs a user's script as one torchrun worker (``python -m ddp_helpers._worker SCRIPT ARGS``).
+"""The worker wrapper: runs a script as one torchrun worker (``python -m ddp_helpers._worker SCRIPT ARGS``).
 
 Torchrun has no way to give each *global* rank its own pair of log files, a stack dump on
 demand, or a link to the notebook kernel's lifetime, so this wrapper adds exactly those three
@@ -17,7 +17,6 @@ import time
 import types
 
 from ddp_helpers import _protocol as protocol
-
 
 MAIN_PROCESS = (
     None  # set by the warm process (_warm.serve): its _internals.MainProcess, restored in each rank
@@ -69,7 +68,7 @@ def main(argv: list[str]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         raise
     except Exception as e:
-        # Report as Python would (through sys.excepthook, which torch may have wrapped), minus this wrapper's frames.
+        # Report as Python would (through sys.excepthook, which torch may have wrapped), minus our own frames.
         code = 1
         _write_status(
             status, event="exception", type=type(e).__name__, message=str(e)[:500], time=time.time()
@@ -85,8 +84,8 @@ def main(argv: list[str]) -> None:
 
 
 def name_process(name: str) -> None:
-    """Name this process as ``ps -o comm``, ``top``, ``pgrep`` and ``/proc/PID/comm`` show it (Linux; elsewhere
-    nothing changes). A warm rank is a fork of the warm process and would otherwise look like it."""
+    """Name this process as ``ps -o comm``, ``top``, ``pgrep`` and ``/proc/PID/comm`` show it (Linux;
+    elsewhere nothing changes). A warm rank is a fork of the warm process and would otherwise look like it."""
     try:
         with open("/proc/self/comm", "wb") as f:
             f.write(name.encode()[:COMM_LENGTH])

@@ -167,7 +167,7 @@ def _written_with(root: Path, settings: dict) -> bool:
 
 
 def _swap_in(build: Path, root: Path, settings: dict) -> None:
-    """Put the finished folder ``build`` at ``root``; an earlier make_image_folder folder there is replaced."""
+    """Put the finished folder ``build`` at ``root``, replacing an earlier make_image_folder folder there."""
     old = None
     if root.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old", dir=root.parent))

@@ -1,4 +1,4 @@
-"""Whom to blame: turn what the ranks left behind into the error a launch raises. Pure functions, no processes.
+"""Whom to blame: turn what the ranks left behind into the error a launch raises. Pure functions only.
 
 The launcher gathers the evidence (each rank's ``RankRecord``: its status events, torch's failure record, its
 stack dump when the job hung) and calls ``failure_error`` or ``hang_error``; ``Watch`` decides when a running
@@ -38,17 +38,16 @@ class Frame:
 
 @dataclass(frozen=True)
 class RankRecord:
-    """Everything known about one rank's last attempt: what the worker wrapper wrote to its status file, torch's
-    failure record, and, when the job hung, whether its process still ran and its stack dump. The diagnosis
-    works on these records only, so every message below is built without a process."""
+    """Everything known about one rank's last attempt: what the worker wrapper wrote to its status file,
+    torch's failure record, and, when the job hung, whether its process still ran and its stack dump. The
+    diagnosis works on these records only, so every message below is built without a process."""
 
     rank: int
     started: bool = False  # the worker wrapper recorded the start of its script
     script_exit: int | None = None  # the exit code the script itself ended with (None: it never ended)
     raised: str | None = None  # the exception type, if the script raised
-    time: float = (
-        math.inf
-    )  # when it raised or ended (the wrapper's clock, else torch's whole-second timestamp)
+    # when it raised or ended (the wrapper's clock, else torch's whole-second timestamp)
+    time: float = math.inf
     exitcode: int | None = None  # how its process ended; None: unknown (stopped before anyone recorded it)
     alive: bool = False  # (a hang) its process still ran when the hang was caught
     stack: str | None = None  # (a hang) its faulthandler dump of every thread; None: none came back
@@ -72,9 +71,9 @@ def rank_record(
     alive: bool = False,
     stack: str | None = None,
 ) -> RankRecord:
-    """One rank's record from its status events (``_protocol``: start, exception, exit) and torch's failure record
-    for it, if any. Only the last attempt counts: a restart begins with a new ``start``. The exit code is torch's
-    when it has one, else the script's own, else 0 when every agent succeeded (else unknown)."""
+    """One rank's record from its status events (``_protocol``: start, exception, exit) and torch's failure
+    record for it, if any. Only the last attempt counts: a restart begins with a new ``start``. The exit code
+    is torch's when it has one, else the script's own, else 0 when every agent succeeded (else unknown)."""
     start = end = raised = None
     for event in events:
         if event["event"] == "start":
@@ -101,11 +100,11 @@ def rank_record(
     )
 
 
-# ---- a failure: whom to blame -------------------------------------------------------------------------------
+# ---- a failure: whom to blame ----------------------------------------------------------------------------
 
 
 def blame_order(record: RankRecord) -> tuple[bool, float, int]:
-    """Sort key for failed ranks: one that failed on its own before one torchrun stopped; then the earliest."""
+    """Sort key for failed ranks: one that failed by itself before one torchrun stopped; then the earliest."""
     return record.stopped_by_torchrun, record.time, record.rank
 
 
@@ -155,13 +154,13 @@ def failure_error(result: TorchrunResult, records: Mapping[int, RankRecord]) -> 
     )
 
 
-# ---- a hang: when, and whom to blame ----------------------------------------------------------------------------
+# ---- a hang: when, and whom to blame ---------------------------------------------------------------------
 
 
 class Watch:
     """When a running job counts as hung: its wall-clock ``timeout`` passed since ``start``, or every rank has
-    printed and then no rank printed anything for ``stall_timeout`` seconds. It is told the time, so a test can
-    be its clock."""
+    printed and then no rank printed anything for ``stall_timeout`` seconds. It is told the time, so a test
+    can be its clock."""
 
     def __init__(self, start: float, timeout: float | None, stall_timeout: float | None):
         self.deadline = None if timeout is None else start + timeout
@@ -169,7 +168,7 @@ class Watch:
         self.last_line = start
 
     def check(self, now: float, new_lines: bool, every_rank_printed: bool) -> Hang | None:
-        """Call it after each look at the ranks' output: ``new_lines`` if a rank wrote a line since the last call."""
+        """Call it after each look at the output: ``new_lines`` if a rank wrote a line since the last call."""
         if new_lines:
             self.last_line = now
         if self.deadline is not None and now > self.deadline:
@@ -194,7 +193,7 @@ class Place:
 
 
 def place(dump: str, script: str) -> Place:
-    """Read a rank's stack dump: the thread running ``script`` (else the first), where in the script, which call."""
+    """Read a stack dump: the thread running ``script`` (else the first), where in the script, which call."""
     script = os.path.realpath(script)
     threads = [t for t in parse_stack_dump(dump) if t and not all(_OWN in f.path for f in t)]
     main = next((t for t in threads if any(os.path.realpath(f.path) == script for f in t)), None)
@@ -261,7 +260,7 @@ def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecor
 def hang_error(
     result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str
 ) -> JobHungError:
-    """The error for a hung job: the rank(s) that caused it, from their stack dumps, and where the others waited."""
+    """The error for a hung job: the rank(s) that caused it, from the stack dumps, and where the rest wait."""
     stuck, why = culprits(records, script)
     lines = [f"{hang}; stuck: " + ", ".join(f"rank {r.rank}" for r in stuck) + f" ({why})."]
     lines += [f"  {describe_hung(r, script)}" for r in stuck]
@@ -276,7 +275,7 @@ def hang_error(
     )
 
 
-# ---- reading what the ranks wrote -------------------------------------------------------------------------------
+# ---- reading what the ranks wrote ------------------------------------------------------------------------
 
 
 def parse_stack_dump(text: str) -> list[list[Frame]]:
@@ -305,7 +304,7 @@ _WRAPPER_FRAME = re.compile(r'^\s+File "(<frozen runpy>|.*ddp_helpers[/\\]_worke
 
 
 def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
-    """The last Python traceback in a rank's stderr, without the launcher's own frames, in about ``max_lines``."""
+    """The last traceback in a rank's stderr, without the launcher's own frames, in about ``max_lines``."""
     lines = [_RANK_PREFIX.sub("", line) for line in lines]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
     if not starts:

@@ -155,9 +155,8 @@ def check_job(timeout: float) -> Check:
             "fix the network settings line first",
         )
     with tempfile.TemporaryDirectory(prefix="ddp_doctor_") as tmp, warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore"
-        )  # the launcher's "more ranks than cores" warning: the cores line covers it
+        # the launcher's "more ranks than cores" warning: the cores line covers it
+        warnings.simplefilter("ignore")
         Path(tmp, "doctor_job.py").write_text(JOB, encoding="utf-8")
         try:
             result = torchrun(
@@ -249,8 +248,9 @@ def check_disk() -> Check:
 
 
 def check_gpus() -> Check:
-    """GPUs are optional. With GPUs, NCCL should be available (the scripts pick it by themselves), and with fewer
-    GPUs than the notebooks' 2 ranks a launch runs on gloo (``environment.launch_backend``, as the launcher does)."""
+    """GPUs are optional. With GPUs, NCCL should be available (the scripts pick it by themselves), and with
+    fewer GPUs than the notebooks' 2 ranks a launch runs on gloo (``environment.launch_backend``, as the
+    launcher does)."""
     import torch
     import torch.distributed as dist
 
@@ -280,15 +280,14 @@ def check_gpus() -> Check:
 
 
 def _same_python(argv0: str) -> bool:
-    """Whether a kernelspec's argv[0] runs this interpreter (jupyter_client swaps a bare ``python`` for its own)."""
-    if argv0 in {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}:
+    """Whether a kernelspec's argv[0] runs this interpreter (jupyter_client swaps a bare ``python``)."""
+    if argv0 in {"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info[:2])}:
         return (
             False  # that is the interpreter running Jupyter, not necessarily this one: see the prefix check
         )
     path = os.path.abspath(shutil.which(argv0) or argv0)
-    return os.path.dirname(path) == os.path.dirname(
-        os.path.abspath(sys.executable)
-    )  # same bin/ folder, same env
+    # same bin/ folder, same env
+    return os.path.dirname(path) == os.path.dirname(os.path.abspath(sys.executable))
 
 
 def check_kernel() -> Check:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 
 def choose_backend() -> tuple[str, str]:
-    """(backend, device kind) a series script picks by itself here: ("nccl", "cuda") with CUDA, else ("gloo", "cpu"),
-    unless DDP_BACKEND names one. Launched with more ranks per node than GPUs, the launch decides
+    """(backend, device kind) a series script picks by itself here: ("nccl", "cuda") with CUDA, else ("gloo",
+    "cpu"), unless DDP_BACKEND names one. Launched with more ranks per node than GPUs, the launch decides
     (``launch_backend``)."""
     import torch
 
@@ -27,12 +27,13 @@ def choose_backend() -> tuple[str, str]:
 def launch_backend(
     nproc_per_node: int, gpus: int, requested: str | None = None, preset: str | None = None
 ) -> tuple[str, str | None]:
-    """What the ranks of a launch with ``nproc_per_node`` ranks per node use where torch sees ``gpus`` CUDA GPUs:
-    (the backend, the ``DDP_BACKEND`` the launcher hands them, or None when the scripts choose by themselves).
+    """What the ranks of a launch with ``nproc_per_node`` ranks per node use where torch sees ``gpus`` CUDA
+    GPUs: (the backend, the ``DDP_BACKEND`` the launcher hands them, or None when the scripts choose by
+    themselves).
 
-    ``requested`` (``torchrun(backend=...)``) is handed on as it is; a ``preset`` DDP_BACKEND (in ``env=`` or the
-    environment) is read by the scripts themselves. Otherwise NCCL needs one GPU per rank: with some GPUs but
-    fewer than the ranks per node (one GPU, two ranks), the launch runs on gloo and the CPU."""
+    ``requested`` (``torchrun(backend=...)``) is handed on as it is; a ``preset`` DDP_BACKEND (in ``env=`` or
+    the environment) is read by the scripts themselves. Otherwise NCCL needs one GPU per rank: with some GPUs
+    but fewer than the ranks per node (one GPU, two ranks), the launch runs on gloo and the CPU."""
     if requested:
         return requested, requested
     if preset:
@@ -43,8 +44,8 @@ def launch_backend(
 
 
 def describe_environment(verbose: bool = True, nproc_per_node: int = 2) -> dict:
-    """Print (and return) torch version, CPU count, GPUs, the backend/device the scripts pick by themselves, and
-    the backend a launch of ``nproc_per_node`` ranks per node gets (the notebooks run 2)."""
+    """Print (and return) torch version, CPU count, GPUs, the backend/device the scripts pick by themselves,
+    and the backend a launch of ``nproc_per_node`` ranks per node gets (the notebooks run 2)."""
     import torch
     import torch.distributed as dist
 
@@ -82,8 +83,9 @@ def describe_environment(verbose: bool = True, nproc_per_node: int = 2) -> dict:
 
 
 def series_folder(start: str | os.PathLike | None = None) -> Path:
-    """The series' ``notebooks/`` folder: ``start`` (default: the current one) or the nearest above it holding the
-    series' scripts. Notebooks in ``solutions/`` or ``zh-CN/`` change to it first, so paths mean the same everywhere."""
+    """The series' ``notebooks/`` folder: ``start`` (default: the current one) or the nearest above it holding
+    the series' scripts. Notebooks in ``solutions/`` or ``zh-CN/`` change to it first: paths mean the same
+    everywhere."""
     here = Path(start or os.getcwd()).resolve()
     for folder in (here, *here.parents):
         if (folder / "scripts" / "00_hello.py").is_file() and (folder / "00_start_here.ipynb").is_file():

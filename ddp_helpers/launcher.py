@@ -1,4 +1,4 @@
-"""``torchrun(...)``: run a script under real torchrun from a notebook cell, stream every rank, raise on failure.
+"""``torchrun(...)``: run a script under real torchrun from a notebook cell, show each rank, raise on failure.
 
 This module holds the mechanics of one launch: check every argument (``_plan``), make the run folder and the
 lifeline, start the agents (cold, or forked by the warm process), follow each rank's files, catch a hang, stop
@@ -62,7 +62,7 @@ def torchrun(
     grace: float = TERM_GRACE,
     warm: bool = True,
 ) -> TorchrunResult:
-    """Run ``script`` under real torchrun, stream each rank's lines live, and raise ``TorchrunError`` on failure.
+    """Run ``script`` under real torchrun, stream each rank's lines live, raise ``TorchrunError`` on failure.
 
     - ``script``: path of the script, relative to ``cwd``; it runs unchanged as ``__main__`` in every rank.
     - ``*args``: the script's own arguments (converted with ``str``).
@@ -78,7 +78,8 @@ def torchrun(
     - ``live``: which ranks' lines to print while the job runs: True (all), False, or a list of ranks.
       All lines are kept on the result either way.
     - ``backend``: "gloo" or "nccl", handed to the script as ``DDP_BACKEND`` (checked against the GPUs
-      first); None lets the script choose, except with fewer GPUs than ranks per node: then gloo (a note says so).
+      first); None lets the script choose, except with fewer GPUs than ranks per node: then gloo (a note
+      says so).
     - ``torchrun_args``: extra torchrun flags, e.g. ``["--max-restarts=1"]``.
     - ``show_agent``: also print torchrun's own log lines, prefixed ``[torchrun]``.
     - ``grace``: seconds between SIGTERM and SIGKILL when the job has to be stopped.
@@ -116,9 +117,8 @@ def torchrun(
     )
     with _Launch(job) as launch:
         hang = launch.watch()
-        hung = (
-            launch.hung_ranks() if hang else []
-        )  # where every rank was, as found: before anything is stopped
+        # Where every rank was, as found: before anything is stopped.
+        hung = launch.hung_ranks() if hang else []
         launch.stop()
         result, records = launch.collect()
     if hang:
@@ -227,8 +227,8 @@ def _plan(
     ]
     if warm and import_time:
         print(
-            f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is imported: "
-            "this launch starts a fresh torchrun (warm=False)",
+            f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is "
+            "imported: this launch starts a fresh torchrun (warm=False)",
             flush=True,
         )
     return _Job(
@@ -252,8 +252,8 @@ def _plan(
 def _backend_env(
     backend: str | None, nproc_per_node: int, env: Mapping[str, str], warm: bool
 ) -> dict[str, str]:
-    """The DDP_BACKEND to hand the ranks, if any, as ``environment.launch_backend`` decides; the GPUs are counted
-    only where the answer matters. ``backend="nccl"`` with fewer GPUs than ranks per node stops here."""
+    """The DDP_BACKEND to hand the ranks, if any, as ``environment.launch_backend`` decides; the GPUs are
+    counted only where the answer matters. ``backend="nccl"`` with too few GPUs for the ranks stops here."""
     preset = None if backend else env.get("DDP_BACKEND")
     gpus = _gpu_count(env, warm) if backend == "nccl" or not (backend or preset) else 0
     if backend == "nccl" and gpus < nproc_per_node:
@@ -274,10 +274,10 @@ def _backend_env(
 
 
 def _gpu_count(env: Mapping[str, str], warm: bool) -> int:
-    """How many GPUs the ranks will see. 0 where no GPU driver exists at all, without asking; else asked once per
-    kernel and setting of the *_VISIBLE_DEVICES variables: of the warm process when the launch is warm (it has
-    torch imported, and counts without initialising CUDA), else of a fresh Python (this process never imports
-    torch)."""
+    """How many GPUs the ranks will see. 0 where no GPU driver exists at all, without asking; else asked once
+    per kernel and setting of the *_VISIBLE_DEVICES variables: of the warm process when the launch is warm (it
+    has torch imported, and counts without initialising CUDA), else of a fresh Python (this process never
+    imports torch)."""
     if not _may_have_gpus():
         return 0
     key = tuple(env.get(k) for k in _VISIBILITY)
@@ -308,8 +308,8 @@ _NOTED: set[str] = set()
 
 
 def _may_have_gpus() -> bool:
-    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine never
-    pays for asking torch."""
+    """False where no GPU driver is present at all (NVIDIA, ROCm, or WSL2's GPU bridge), so a CPU machine
+    never pays for asking torch."""
     return any(
         os.path.exists(p)
         for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
@@ -341,16 +341,15 @@ def _warm_process(env: dict[str, str]) -> _warm.WarmProcess | None:
 
 
 class _Launch:
-    """One running job: its run folder, lifeline, ranks and agents. Leaving it stops and reaps every process."""
+    """One running job: its run folder, lifeline, ranks and agents. Leaving it stops and reaps them all."""
 
     def __init__(self, job: _Job):
         self.job = job
         self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.run_id}_")
         self.ranks = [_Rank(self.run_dir, r, r in job.live) for r in range(job.world_size)]
         self.agents = _Agents(job, self.run_dir)
-        self.lifeline_r, self.lifeline_w = (
-            os.pipe()
-        )  # see _protocol: the agents and ranks die with its write end
+        # The lifeline (see _protocol): every agent and rank dies with its write end.
+        self.lifeline_r, self.lifeline_w = os.pipe()
         self.start = time.monotonic()
 
     def __enter__(self) -> _Launch:
@@ -420,19 +419,12 @@ class _Launch:
         agent_output = self.agents.finish()
         _flush()
         failures, ok = self.agents.failures(), all(a.returncode == 0 for a in self.agents.procs)
-        records = {
-            rank.rank: rank.record(failure=failures.get(rank.rank), agents_ok=ok) for rank in self.ranks
-        }
-        result = TorchrunResult(
-            command=self.job.plain_command,
-            returncode=self.agents.returncode(),
-            duration=time.monotonic() - self.start,
-            stdout={rank.rank: rank.stdout.lines for rank in self.ranks},
-            stderr={rank.rank: rank.stderr.lines for rank in self.ranks},
-            exitcodes={r: record.exitcode for r, record in records.items()},
-            agent_output=agent_output,
-        )
-        return result, records
+        records = {r.rank: r.record(failure=failures.get(r.rank), agents_ok=ok) for r in self.ranks}
+        out, err = ({r.rank: getattr(r, kind).lines for r in self.ranks} for kind in ("stdout", "stderr"))
+        codes = {r: record.exitcode for r, record in records.items()}
+        duration = time.monotonic() - self.start
+        rc = self.agents.returncode()
+        return TorchrunResult(self.job.plain_command, rc, duration, out, err, codes, agent_output), records
 
     def _worker_groups(self) -> set[int]:
         return {g for rank in self.ranks for g in rank.groups()}
@@ -441,16 +433,15 @@ class _Launch:
         """One line for an interrupted cell: were all ranks and agents really stopped?"""
         left = self.agents.left(self._worker_groups)
         if left:
-            return f"ddp_helpers: interrupted; still stopping process group(s) {left} (they die with their lifeline)"
-        return (
-            f"ddp_helpers: interrupted; all {self.job.world_size} rank(s) and their torchrun agent(s) were "
-            "stopped, nothing is left running"
-        )
+            groups = f"process group(s) {left}"
+            return f"ddp_helpers: interrupted; still stopping {groups} (they die with their lifeline)"
+        ranks = f"all {self.job.world_size} rank(s) and their torchrun agent(s)"
+        return f"ddp_helpers: interrupted; {ranks} were stopped, nothing is left running"
 
 
 def _dump_stacks(ranks: Sequence[_Rank], poll: Callable[[], bool]) -> dict[int, str]:
-    """Signal every rank whose process is alive to dump its stacks, and collect what arrives, by rank (an empty
-    text where nothing came back). ``poll`` reads the ranks' new lines, True if there were any."""
+    """Signal every rank whose process is alive to dump its stacks, and collect what arrives, by rank (an
+    empty text where nothing came back). ``poll`` reads the ranks' new lines, True if there were any."""
     marks = {}  # rank -> how many stderr lines it had before the signal
     for rank in ranks:
         pid = rank.pid()
@@ -477,43 +468,35 @@ def _dump_stacks(ranks: Sequence[_Rank], poll: Callable[[], bool]) -> dict[int, 
 
 class _Agents:
     """A launch's torchrun agents, one per simulated node, each in a process group of its own: started cold
-    (``python -m ddp_helpers._agent``) or forked by the warm process; with their own logs and failure records."""
+    (``python -m ddp_helpers._agent``) or forked by the warm process; their own logs and failure records."""
 
     def __init__(self, job: _Job, run_dir: str):
         self.job, self.run_dir = job, run_dir
         count = len(job.agent_argvs)
         tags = ["torchrun"] if count == 1 else [f"torchrun node {i}" for i in range(count)]
+        shown = {"stdout": sys.stdout, "stderr": sys.stderr} if job.show_agent else {}
         self.logs = [
-            _Lines(
-                protocol.agent_file(run_dir, i, kind),
-                f"[{tag}] ",
-                (sys.stdout if kind == "stdout" else sys.stderr) if job.show_agent else None,
-            )
+            _Lines(protocol.agent_file(run_dir, i, kind), f"[{tag}] ", shown.get(kind))
             for i, tag in enumerate(tags)
             for kind in ("stdout", "stderr")
         ]
         self.procs: list[subprocess.Popen | _warm.WarmAgent] = []
 
     def start(self, lifeline: int) -> None:
-        warm = _warm_process(_warm_env(self.job.env)) if self.job.warm else None
-        for i, argv in enumerate(self.job.agent_argvs):
+        job = self.job
+        warm = _warm_process(_warm_env(job.env)) if job.warm else None
+        for i, argv in enumerate(job.agent_argvs):
             with (
                 open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out,
                 open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err,
             ):
-                env = {**self.job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
+                env = {**job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
                 if warm is not None:
-                    agent = warm.start_agent(argv, env, self.job.cwd, (lifeline, out.fileno(), err.fileno()))
+                    agent = warm.start_agent(argv, env, job.cwd, (lifeline, out.fileno(), err.fileno()))
                 else:
-                    agent = subprocess.Popen(
-                        [sys.executable, "-m", "ddp_helpers._agent", *argv],
-                        cwd=self.job.cwd,
-                        env=env,
-                        stdin=lifeline,
-                        stdout=out,
-                        stderr=err,
-                        start_new_session=True,
-                    )
+                    command = [sys.executable, "-m", "ddp_helpers._agent", *argv]
+                    files = {"stdin": lifeline, "stdout": out, "stderr": err}
+                    agent = subprocess.Popen(command, cwd=job.cwd, env=env, start_new_session=True, **files)
                 self.procs.append(agent)
 
     def poll(self) -> list[int | None]:
@@ -528,8 +511,8 @@ class _Agents:
         return [a for a in self.procs if a.poll() is None]
 
     def stop(self, worker_groups: Callable[[], set[int]], grace: float) -> None:
-        """SIGTERM every running agent's process group and every live worker group (``worker_groups()``: a rank's
-        children count too), wait up to ``grace`` seconds, then SIGKILL what is left."""
+        """SIGTERM every running agent's process group and every live worker group (``worker_groups()``: a
+        rank's children count too), wait up to ``grace`` seconds, then SIGKILL what is left."""
         running = self.running()
         workers = {g for g in worker_groups() if _alive(g, group=True)}
         if not running and not workers:
@@ -545,7 +528,7 @@ class _Agents:
         self.reap(running)
 
     def left(self, worker_groups: Callable[[], set[int]]) -> list[int]:
-        """The agents and worker groups still alive after being killed, waiting a moment for them to be reaped."""
+        """The agents and worker groups still alive after being killed; they get a moment to be reaped."""
         end = time.monotonic() + REAP_WAIT
         while (
             left := [a.pid for a in self.running()] + [g for g in worker_groups() if _alive(g, group=True)]
@@ -584,8 +567,8 @@ class _Agents:
 
 
 class _Rank:
-    """One rank's three files in the run folder, each read once as it grows: stdout and stderr (kept whole, shown
-    live as ``[rank N] ...``) and the worker wrapper's status file, parsed into events line by line."""
+    """One rank's three files in the run folder, each read once as it grows: stdout and stderr (kept whole,
+    shown live as ``[rank N] ...``) and the worker wrapper's status file, parsed into events line by line."""
 
     def __init__(self, run_dir: str, rank: int, live: bool):
         self.rank = rank
@@ -620,7 +603,7 @@ class _Rank:
         return starts[-1]["pid"] if starts else None
 
     def groups(self) -> set[int]:
-        """The process group of every attempt so far (a rank's own children, say DataLoader workers, are in it)."""
+        """The process group of every attempt so far; a rank's own children (DataLoader workers) are in it."""
         self._parse(self._status.poll())
         return {e["pgid"] for e in self.events if e["event"] == "start"}
 
@@ -638,7 +621,7 @@ class _Rank:
 
 
 class _Lines:
-    """Follows one file as it grows and turns what arrives into whole lines, echoed to ``out`` with ``prefix``."""
+    """Follows one file as it grows and turns what arrives into whole lines, echoed to ``out``."""
 
     def __init__(self, path: str, prefix: str = "", out: TextIO | None = None):
         self.path, self.prefix, self.out = path, prefix, out
@@ -680,7 +663,7 @@ class _Lines:
         return new
 
 
-# ---- small helpers ------------------------------------------------------------------------------------------
+# ---- small helpers -------------------------------------------------------------------------------------
 
 
 def _check_count(name: str, value: object) -> int:
@@ -778,9 +761,8 @@ def _alive(target: int, group: bool = False) -> bool:
     if not group:
         try:
             with open(f"/proc/{target}/stat", "rb") as f:
-                return (
-                    f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-                )  # an exited, unreaped process answers no signal
+                # An exited process that is not reaped yet is a zombie ("Z"): it answers no signal.
+                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
         except (OSError, IndexError):
             pass
     return True

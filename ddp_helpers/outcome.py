@@ -1,9 +1,10 @@
 """What a launch returns or raises: ``TorchrunResult``, and ``TorchrunError`` with its two kinds.
 
 ``JobFailedError``: a rank failed (``.rank`` names the one to blame, ``.exitcode`` how it ended), or torchrun
-itself did before any rank reported an error (``.rank`` is None). ``JobHungError``: the job was stopped because
-it hung; ``.hang`` says how it was caught (``Hang``: a timeout or a stall, with its seconds), ``.stuck_ranks``
-whom to blame and ``.stacks`` where every rank was. ``except TorchrunError`` catches both. Torch-free.
+itself did before any rank reported an error (``.rank`` is None). ``JobHungError``: the job was stopped
+because it hung; ``.hang`` says how it was caught (``Hang``: a timeout or a stall, with its seconds),
+``.stuck_ranks`` whom to blame and ``.stacks`` where every rank was. ``except TorchrunError`` catches both.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ class TorchrunError(RuntimeError):
 
     @property
     def timed_out(self) -> bool:
-        """True when the job was stopped as hung, by ``timeout=`` or by ``stall_timeout=`` (``.hang.kind`` says
-        which). It stays true for a stall because the notebooks assert it after stalls."""
+        """True when the job was stopped as hung, by ``timeout=`` or by ``stall_timeout=`` (``.hang.kind``
+        says which). It stays true for a stall because the notebooks assert it after stalls."""
         return self.hang is not None
 
 
 class JobFailedError(TorchrunError):
-    """A rank failed (``.rank``, ``.exitcode``), or torchrun itself did before any rank reported (``.rank`` None)."""
+    """A rank failed (``.rank``, ``.exitcode``), or torchrun did before any rank reported (``.rank`` None)."""
 
     def __init__(
         self, message: str, result: TorchrunResult, *, rank: int | None = None, exitcode: int | None = None
@@ -98,7 +99,7 @@ class JobFailedError(TorchrunError):
 
 
 class JobHungError(TorchrunError):
-    """The job hung and was stopped: ``.hang`` (timeout or stall), ``.stuck_ranks`` to blame, ``.stacks`` by rank."""
+    """The job hung and was stopped: ``.hang`` (timeout or stall), ``.stuck_ranks``, ``.stacks`` by rank."""
 
     def __init__(
         self,

@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from ddp_test_support import wait_for_no_leftovers
 
 

@@ -266,7 +266,7 @@ def test_signal_name():
 
 
 def test_a_stall_counts_from_the_ranks_output_not_from_the_launch():
-    """Replaces the end-to-end stall test (8-9 s of sleeping): the same story, told to the Watch by a fake clock."""
+    """Replaces the end-to-end stall test (8-9 s of sleeping): the same story, told by a fake clock."""
     watch = diagnose.Watch(start=100.0, timeout=300, stall_timeout=2)
     assert watch.check(104.0, new_lines=False, every_rank_printed=False) is None  # silent 4 s before any line
     assert watch.check(104.1, new_lines=True, every_rank_printed=False) is None  # rank 0's first line

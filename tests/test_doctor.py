@@ -1,4 +1,4 @@
-"""``python -m ddp_helpers.doctor``: passes here, names a broken GLOO_SOCKET_IFNAME, never shows a traceback."""
+"""``python -m ddp_helpers.doctor``: passes here, names a bad GLOO_SOCKET_IFNAME, never shows a traceback."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from ddp_test_support import REPO
+
 from ddp_helpers import doctor
 
 NAMES = [
@@ -30,6 +31,7 @@ NAMES = [
 
 def doctor_run(*args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *doctor.STALE_VARS)}
+    # a safety net only
     return subprocess.run(
         [sys.executable, "-m", "ddp_helpers.doctor", *args],
         cwd=REPO,
@@ -37,7 +39,7 @@ def doctor_run(*args: str, **env: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
-    )  # a safety net only
+    )
 
 
 def test_doctor_passes_here():
@@ -52,8 +54,8 @@ def test_doctor_passes_here():
 
 
 def test_missing_gloo_interface_is_named_before_any_launch(monkeypatch, capsys):
-    """In-process (the doctor as a command is test_doctor_passes_here's): a bad GLOO_SOCKET_IFNAME fails its line
-    and the 2-rank job is not even started."""
+    """In-process (the doctor as a command is test_doctor_passes_here's): a bad GLOO_SOCKET_IFNAME fails its
+    line and the 2-rank job is not even started."""
     for name in doctor.STALE_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif0")

@@ -6,8 +6,8 @@ import textwrap
 
 from jupyter_client.manager import start_new_kernel
 
-# Each rank prints one line, then waits until the test has seen both first lines in the cell's output: the cell
-# can only finish if the lines arrived while it ran. A rank never released gives up and says so.
+# Each rank prints one line, then waits until the test has seen both first lines in the cell's output: the
+# cell can only finish if the lines arrived while it ran. A rank never released gives up and says so.
 SCRIPT = """
 import os, sys, time
 print(f"tick 0 from rank {os.environ['RANK']}", flush=True)

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from ddp_test_support import REPO, wait_for_no_leftovers
+
 from ddp_helpers import JobFailedError, JobHungError, TorchrunError, launcher, torchrun
 from ddp_helpers.outcome import Hang
 
@@ -25,7 +25,8 @@ HELLO = """
     rank = dist.get_rank()
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
-    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "FOO")}
+    names = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "FOO")
+    env = {k: os.environ.get(k) for k in names}
     print("plain line from", rank)
     print(json.dumps({"rank": rank, "sum": t.item(), "argv": sys.argv[1:], "cwd": os.getcwd(), **env}))
     print("to stderr from", rank, file=sys.stderr)
@@ -185,8 +186,8 @@ def test_mismatched_collectives_are_reported(script):
 
 
 def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
-    """The launcher's one object per rank: stdout and stderr in whole lines, the status file parsed into events,
-    each read from where the last look ended (a half-written line waits for its end). No process needed."""
+    """The launcher's one object per rank: stdout and stderr in whole lines, the status file parsed into
+    events, each read from where the last look ended (a half-written line waits for its end). No process."""
     from ddp_helpers import _protocol as protocol
 
     rank = launcher._Rank(str(tmp_path), 1, live=False)
@@ -239,9 +240,8 @@ def test_interrupt_kills_every_process(script, tmp_path):
     proc = _parent(tmp_path, script(HANG))
     _wait_until_ready(proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(
-        timeout=600
-    )  # a safety net: the parent ends within seconds, even on a busy machine
+    # a safety net: the parent ends within seconds, even on a busy machine
+    _, err = proc.communicate(timeout=600)
     assert "KeyboardInterrupt" in err
     # One plain line before the traceback says so, and it is true.
     assert (
@@ -375,8 +375,9 @@ def test_nccl_without_gpus_gives_advice(script, monkeypatch):
 
 
 def test_the_warm_process_counts_the_gpus(script, monkeypatch):
-    """Where a GPU driver exists, a warm launch asks the warm process (torch imported, counting through NVML without
-    initialising CUDA), and a fresh Python only where NVML cannot tell (MIG; here: no NVIDIA library at all)."""
+    """Where a GPU driver exists, a warm launch asks the warm process (torch imported, counting through NVML
+    without initialising CUDA), and a fresh Python only where NVML cannot tell (MIG; here: no NVIDIA library
+    at all)."""
     from ddp_helpers import _warm
 
     asked, fresh = [], []
@@ -471,7 +472,7 @@ def test_cli_success_and_no_torch_in_parent(script, tmp_path):
 
 def test_cli_failure_exit_code_and_message(script, tmp_path, monkeypatch, capsys):
     """Exit codes of ``python -m ddp_helpers``: 1 with the error's message for a failed or hung job, 2 for bad
-    input. In-process: the launch itself is test_cli_success_and_no_torch_in_parent's, the message test_diagnose's."""
+    input. In-process: test_cli_success_and_no_torch_in_parent launches, test_diagnose checks the message."""
     from ddp_helpers import __main__ as cli
     from ddp_helpers.outcome import TorchrunResult
 
@@ -501,9 +502,8 @@ def test_cli_failure_exit_code_and_message(script, tmp_path, monkeypatch, capsys
     )
     monkeypatch.undo()
     script("raise SystemExit(4)\n", name="fail.py")
-    assert (
-        cli.main(["--nproc-per-node", "0", str(tmp_path / "fail.py")]) == 2
-    )  # refused before any process starts
+    # refused before any process starts
+    assert cli.main(["--nproc-per-node", "0", str(tmp_path / "fail.py")]) == 2
     assert "nproc_per_node must be at least 1" in capsys.readouterr().err
 
 
@@ -545,14 +545,16 @@ def test_describe_environment_says_what_a_launch_gets(monkeypatch, capsys):
     assert environment.launch_backend(2, 0) == ("gloo", None)  # no GPU: the scripts choose gloo themselves
     assert environment.launch_backend(2, 2) == ("nccl", None)
     assert environment.launch_backend(2, 1) == ("gloo", "gloo")  # handed to the ranks as DDP_BACKEND
+    # the launcher refuses it first
     assert environment.launch_backend(2, 1, requested="nccl") == (
         "nccl",
         "nccl",
-    )  # the launcher refuses it first
+    )
+    # DDP_BACKEND set: the scripts read it
     assert environment.launch_backend(2, 1, preset="nccl") == (
         "nccl",
         None,
-    )  # DDP_BACKEND set: the scripts read it
+    )
 
 
 PROBE = """
@@ -564,15 +566,17 @@ PROBE = """
         cuda = "ok"
     except Exception as e:  # whatever happened, it must be the same cold and warm
         cuda = f"{type(e).__name__}: {str(e).split('.')[0]}"
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-             "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-             "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "FOO")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+             "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+             "OMP_NUM_THREADS", "FOO")
     print(json.dumps({
         "rank": int(os.environ["RANK"]), "env": {k: os.environ.get(k) for k in names},
         "env_names": sorted(k for k in os.environ if not k.startswith(("DDP_HELPERS_", "JPY_", "PYTEST_"))),
         "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__, "file": __file__,
         "threads": torch.get_num_threads(), "process": multiprocessing.current_process().name,
-        "parent": multiprocessing.parent_process() is None, "root_handlers": len(logging.getLogger().handlers),
+        "parent": multiprocessing.parent_process() is None,
+        "root_handlers": len(logging.getLogger().handlers),
         "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
         "unbuffered": sys.stdout.write_through, "random": random.random(), "torch_seed": torch.initial_seed(),
         "cuda": cuda, "cuda_available": torch.cuda.is_available(), "preloaded": preloaded,
@@ -582,7 +586,7 @@ PROBE = """
 
 
 def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
-    path = script(PROBE, name="probe.py")
+    script(PROBE, name="probe.py")
     runs = {
         warm: torchrun(
             "probe.py",
@@ -600,23 +604,22 @@ def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
     cold, warm = runs[False], runs[True]
     for key in ("random", "torch_seed"):  # every process draws its own random numbers, warm or cold
         assert len({r.pop(key) for r in cold + warm}) == 4, (key, cold, warm)
-    # warm=False is a fresh torchrun (its ranks import torch themselves), warm=True forks from the warm process.
+    # warm=False is a fresh torchrun (its ranks import torch), warm=True forks from the warm process.
     assert [r.pop("preloaded") for r in cold + warm] == [False, False, True, True], (cold, warm)
-    for c, w in zip(cold, warm):
+    for c, w in zip(cold, warm, strict=True):
         assert c == w, (c, w)
     assert (
         cold[0]["process"] == "MainProcess"
         and cold[0]["env"]["OMP_NUM_THREADS"] == "1"
         and cold[0]["threads"] == 1
     )
-    assert [r["comm"] for r in cold] == ["rank0 probe", "rank1 probe"], (
-        cold
-    )  # warm too: a rank is findable by name
+    # warm too: a rank is findable by name
+    assert [r["comm"] for r in cold] == ["rank0 probe", "rank1 probe"], cold
 
 
 def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, capsys):
-    """A launch whose env= sets a variable torch reads at import runs cold, with a note (that warm=False really is
-    a fresh process is test_warm_and_cold_launches_give_a_script_the_same_world's)."""
+    """A launch whose env= sets a variable torch reads at import runs cold, with a note (that warm=False
+    really is a fresh process is test_warm_and_cold_launches_give_a_script_the_same_world's)."""
     job = launcher._plan(script=script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, live=False)
     assert not job.warm and job.env["TORCH_CPP_LOG_LEVEL"] == "INFO"
     assert "env= sets TORCH_CPP_LOG_LEVEL, which torch reads when it is imported" in capsys.readouterr().out
@@ -626,10 +629,11 @@ def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, c
 
 
 def test_a_run_time_variable_keeps_the_launch_warm(script, capsys):
-    """05's restart remedy is read by torch at run time: a launch that sets it stays warm and the rank sees it."""
+    """05's restart remedy is read by torch at run time: a launch setting it stays warm, the rank sees it."""
     path = script("""
         import json, os, sys
-        print(json.dumps({"warm": "torch" in sys.modules, "value": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}))
+        value = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+        print(json.dumps({"warm": "torch" in sys.modules, "value": value}))
     """)
     result = torchrun(path, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, live=False, timeout=120)
     assert result.records() == [{"warm": True, "value": "1"}], result.records()

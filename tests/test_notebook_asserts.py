@@ -12,7 +12,6 @@ import ast
 
 import nbformat
 import pytest
-
 from ddp_test_support import REPO, committed_text
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted(

@@ -9,13 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import nbformat
 import pytest
+import tomllib
 import yaml
-
 from ddp_test_support import REPO, committed_text
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -124,7 +123,7 @@ def test_readme_commands_and_ci_agree():
 
 
 def test_the_site_config_is_written_by_a_yaml_library(tmp_path, monkeypatch):
-    """tools/build_site.py's mkdocs.yml survives folder names YAML would misread if pasted into text (': ', '#')."""
+    """build_site.py's mkdocs.yml survives folder names YAML would misread if pasted into text (': ', '#')."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("build_site", REPO / "tools" / "build_site.py")
@@ -158,13 +157,12 @@ def test_constraints_pin_what_the_series_is_tested_with():
 
 
 DOCS = [REPO / "README.md", REPO / "SEED_POST.md", REPO / "CONTRIBUTING.md"]
-SHOWN_CALL = re.compile(
-    r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()"
-)  # inline code that reads as a statement
+# inline code that reads as a statement
+SHOWN_CALL = re.compile(r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()")
 
 
 def _shown_code(markdown: str) -> list[str]:
-    """Python a reader may copy from markdown: ```python blocks, and inline code that is a statement or a call."""
+    """Python a reader may copy from markdown: ```python blocks, inline code that is a statement or a call."""
     blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", markdown, re.S)]
     inline = [
         m
@@ -285,22 +283,18 @@ def test_the_launch_protocol_is_spelled_only_in_its_module():
 
 
 def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
-    """A learner runs a notebook in JupyterLab, edits a cell and saves: the checks still pass, and git's copy stays clean."""
-    # The project as git holds it (the staged copy, never this checkout's own saved runs), in a repository of its own.
+    """A learner runs a notebook in JupyterLab, edits a cell, saves: the checks pass, git's copy is clean."""
+    # The project as git holds it (the staged copy, never this checkout's saved runs), in its own repository.
     exported = subprocess.run(
         ["git", "checkout-index", "--all", f"--prefix={tmp_path}/"], cwd=REPO, capture_output=True, text=True
     )
     if exported.returncode != 0:
         pytest.skip(f"not a git checkout: {exported.stderr.strip()}")
-    git = lambda *a: (
-        subprocess.run(
-            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+
+    def git(*args: str) -> str:
+        command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
     git("init", "-q")
     git("add", "-A")
     git("commit", "-q", "-m", "as committed")
@@ -334,6 +328,7 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
         timeout=300,
     )
     assert checks.returncode == 0, checks.stdout[-3000:]
+    # safety net only
     run = subprocess.run(
         [
             sys.executable,
@@ -348,7 +343,7 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
-    )  # safety net only
+    )
     assert run.returncode == 0, run.stdout[-3000:]
     staged = nbformat.reads(git("show", ":notebooks/03_sync_batchnorm.ipynb"), as_version=4)
     assert all(c.outputs == [] and c.execution_count is None for c in staged.cells if c.cell_type == "code")
@@ -379,6 +374,7 @@ def test_the_open_commands_printed_address_opens_notebook_00(language):
     readme, marker, notebook = OPEN_COMMANDS[language]
     launch = _readme_block(marker, readme).split("&&")[-1].split()
     assert launch[:2] == [".venv/bin/jupyter", "lab"], launch
+    # no fixed port
     cmd = [
         sys.executable,
         "-m",
@@ -386,7 +382,7 @@ def test_the_open_commands_printed_address_opens_notebook_00(language):
         *launch[2:],
         "--no-browser",
         "--ServerApp.port=0",
-    ]  # no fixed port
+    ]
     server = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -1,20 +1,20 @@
 """Notebook 08's template restores a checkpoint onto a model that is not on the CPU (issue 19).
 
-What these tests prove, without a GPU: ``restore()`` loads the checkpoint onto the CPU, so that every RNG setter
-gets the CPU ByteTensor it requires (``torch.set_rng_state`` and ``Generator.set_state`` raise "RNG state must be
-a torch.ByteTensor" for any other tensor: ``check_rng_state`` in ``ATen/core/Generator.h``), while the optimizer's
-state follows the parameters to their device, and ``main()`` resumes through ``restore()``. The ``meta``
-device stands in for a GPU: a device that the saved tensors can be sent to and that is not the CPU.
-``torch.cuda.set_rng_state`` is replaced by a recorder, so the test sees what it would be given (a CPU
-ByteTensor) without any CUDA code: none of this has run on a GPU.
+What these tests prove, without a GPU: ``restore()`` loads the checkpoint onto the CPU, so that every RNG
+setter gets the CPU ByteTensor it requires (``torch.set_rng_state`` and ``Generator.set_state`` raise "RNG
+state must be a torch.ByteTensor" for any other tensor: ``check_rng_state`` in ``ATen/core/Generator.h``),
+while the optimizer's state follows the parameters to their device, and ``main()`` resumes through
+``restore()``. The ``meta`` device stands in for a GPU: a device that the saved tensors can be sent to and
+that is not the CPU. ``torch.cuda.set_rng_state`` is replaced by a recorder, so the test sees what it would be
+given (a CPU ByteTensor) without any CUDA code: none of this has run on a GPU.
 
-Shown to fail, with ``DDP_TEMPLATE``: against a copy of the script whose ``restore()`` loads with the device as
-``map_location``, the meta-device test fails (``torch.set_rng_state`` raises "RNG state must be a
-torch.ByteTensor" on the meta tensor); against the script before the fix (commit 8f52f1c, whose ``main()`` loaded
-with ``map_location=device`` itself) every test fails, because ``restore`` did not exist (nor ``checkpoint``,
-which the three tests that build a file reach first). ``test_main_resumes_through_restore`` fails if ``main()``
-stops calling ``restore()``, or loads a file itself (shown with a copy whose ``main()`` does): the other tests call
-``restore()`` directly, and could not see it.
+Shown to fail, with ``DDP_TEMPLATE``: against a copy of the script whose ``restore()`` loads with the device
+as ``map_location``, the meta-device test fails (``torch.set_rng_state`` raises "RNG state must be a
+torch.ByteTensor" on the meta tensor); against the script before the fix (commit 8f52f1c, whose ``main()``
+loaded with ``map_location=device`` itself) every test fails, because ``restore`` did not exist (nor
+``checkpoint``, which the three tests that build a file reach first). ``test_main_resumes_through_restore``
+fails if ``main()`` stops calling ``restore()``, or loads a file itself (shown with a copy whose ``main()``
+does): the other tests call ``restore()`` directly, and could not see it.
 
 The tests import the script's own ``checkpoint``, ``restore`` and ``rng_states``, and read ``main``'s source.
 ``DDP_TEMPLATE=PATH`` runs them against another copy of the script (an older commit's, say).
@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ddp_test_support import REPO
 
 SCRIPT = Path(os.environ.get("DDP_TEMPLATE", REPO / "notebooks" / "scripts" / "08_train.py"))
@@ -68,7 +67,7 @@ def training_objects(template, device: torch.device, fp16: bool = True):
 
 def saved_run(template, path: Path, world_size: int = 1, cuda: bool = False) -> tuple[dict, dict]:
     """Train two float16 steps on the CPU and save a checkpoint as main() does (``cuda``: with a CUDA stream's
-    state in it, the CPU ByteTensor that ``torch.cuda.get_rng_state`` returns); return it and rank 0's states."""
+    state in it, the CPU ByteTensor ``torch.cuda.get_rng_state`` returns); return it and rank 0's states."""
     model, optimizer, scheduler, scaler = training_objects(template, torch.device("cpu"))
     loader_generator = torch.Generator().manual_seed(5)
     for _ in range(2):
@@ -105,9 +104,8 @@ def test_resume_onto_another_device_restores_every_rng_stream(template, tmp_path
     cuda_states = []  # torch.cuda.set_rng_state, which needs a GPU: record what it would be given
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, dev: cuda_states.append((state, dev)))
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*copying from a non-meta parameter.*"
-        )  # meta holds no data
+        # meta holds no data
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
         start_epoch, history = template.restore(
             str(tmp_path / "last.pt"),
             model,
@@ -127,10 +125,11 @@ def test_resume_onto_another_device_restores_every_rng_stream(template, tmp_path
     )
     assert len(cuda_states) == 1 and cuda_states[0][1] == device, cuda_states
     state = cuda_states[0][0]
+    # what it accepts
     assert state.device.type == "cpu" and state.dtype == torch.uint8, (
         state.device,
         state.dtype,
-    )  # what it accepts
+    )
     assert torch.equal(state, states["cuda"]), "the CUDA stream got another state than the saved one"
     # The rest went where the model is, or holds no tensors at all.
     momentum = [s["momentum_buffer"] for s in optimizer.state.values()]
@@ -188,7 +187,7 @@ def test_resume_refuses_a_checkpoint_of_another_world_size(template, tmp_path, r
 
 
 def test_main_resumes_through_restore(template):
-    """The tests above call restore() directly: this one fails if main() stops using it, or loads a file itself."""
+    """The tests above call restore() directly: this fails if main() stops using it or loads a file itself."""
     source = inspect.getsource(template.main)
     assert "restore(" in source, "main() no longer resumes through restore()"
     assert "torch.load(" not in source, "main() loads a checkpoint itself, bypassing restore()"

@@ -6,7 +6,6 @@ import re
 
 import nbformat
 import pytest
-
 from ddp_test_support import REPO, committed_text
 
 EN = sorted((REPO / "notebooks").glob("*.ipynb")) + sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
@@ -29,7 +28,7 @@ def test_every_notebook_has_a_chinese_twin_with_the_same_code(en):
     en_code = [c.source for c in _cells(en) if c.cell_type == "code"]
     zh_code = [c.source for c in _cells(zh) if c.cell_type == "code"]
     assert len(zh_code) == len(en_code), (len(zh_code), len(en_code))
-    for i, (a, b) in enumerate(zip(en_code, zh_code)):
+    for i, (a, b) in enumerate(zip(en_code, zh_code, strict=True)):
         assert a == b, f"code cell {i} of {zh.name} differs from the English one:\n{b[:300]}\n---\n{a[:300]}"
 
 

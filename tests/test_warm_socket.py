@@ -1,6 +1,6 @@
 """The warm process: its socket's messages, both ends, without starting one (split and joined reads, a client
-that leaves mid-request, a bad request: each of these failed on the code before the one message module), and its
-guard on the torch internals warm launches need (a missing one is simulated)."""
+that leaves mid-request, a bad request: each of these failed on the code before the one message module), and
+its guard on the torch internals warm launches need (a missing one is simulated)."""
 
 from __future__ import annotations
 
@@ -120,8 +120,8 @@ def test_a_warm_process_on_such_a_torch_says_so_instead_of_ready(monkeypatch, ca
 
 
 def test_a_torch_without_an_internal_launches_cold_with_one_note(monkeypatch, capsys):
-    """What the warm process says (the test above) ends warm launches in this kernel: each launch runs cold, one
-    note says why, and no second warm process is tried."""
+    """What the warm process says (the test above) ends warm launches in this kernel: each launch runs cold,
+    one note says why, and no second warm process is tried."""
     said = "unsupported: this torch lacks torch.distributed.elastic.multiprocessing.api._wrap"
     monkeypatch.setattr(_warm, "COMMAND", [sys.executable, "-c", f"print({said!r})"])  # stands in for serve()
     monkeypatch.setattr(_warm, "_process", None)  # this kernel's real warm process is left alone
@@ -136,8 +136,6 @@ def test_a_torch_without_an_internal_launches_cold_with_one_note(monkeypatch, ca
         _warm.warm_process(env)
     monkeypatch.setattr(_warm, "WarmProcess", None)  # from now on, starting one would fail loudly
     assert launcher._warm_process(env) is None and launcher._warm_process(env) is None  # two launches: cold
-    note = (
-        "ddp_helpers: warm launches are off (this torch lacks torch.distributed.elastic.multiprocessing.api._wrap): "
-        "every launch starts a fresh torchrun\n"
-    )
+    lacks = "this torch lacks torch.distributed.elastic.multiprocessing.api._wrap"
+    note = f"ddp_helpers: warm launches are off ({lacks}): every launch starts a fresh torchrun\n"
     assert capsys.readouterr().out == note

@@ -63,7 +63,7 @@ def with_outputs(nb: nbformat.NotebookNode, run: nbformat.NotebookNode) -> nbfor
     ran = [c for c in run.cells if c.cell_type == "code"]
     if [c.source for c in mine] != [c.source for c in ran]:
         raise SystemExit("a notebook's code differs from the execution it should show")
-    for cell, done in zip(mine, ran):
+    for cell, done in zip(mine, ran, strict=True):
         cell.outputs, cell.execution_count = done.outputs, done.execution_count
     return nb
 
@@ -117,9 +117,10 @@ def gather() -> list[str]:
             nb.cells.insert(0, nbformat.v4.new_markdown_cell(f"中文版：[{path.stem}]({link})"))
         write_notebook(nb, SOURCE / rel)
         nav.append(rel.as_posix())
+    # the diagrams, pre-rendered (tools/render_diagrams.py)
     shutil.copytree(
         NOTEBOOKS / "images", SOURCE / "notebooks" / "images", ignore=shutil.ignore_patterns("*.mmd")
-    )  # the diagrams, pre-rendered (tools/render_diagrams.py)
+    )
     glossary = NOTEBOOKS / "zh-CN" / "术语表.md"
     if glossary.is_file():
         shutil.copy(glossary, SOURCE / glossary.relative_to(ROOT))

@@ -10,10 +10,11 @@ It drives Debian's Chromium through Playwright, as the browser tests do.
 import os
 import sys
 from pathlib import Path
+
 from playwright.sync_api import sync_playwright
 
 mermaid_js = Path(sys.argv[1]).read_text()
-for src, out in zip(sys.argv[2::2], sys.argv[3::2]):
+for src, out in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
     text = Path(src).read_text()
     with sync_playwright() as p:
         b = p.chromium.launch(
@@ -24,7 +25,8 @@ for src, out in zip(sys.argv[2::2], sys.argv[3::2]):
         page.add_script_tag(content=mermaid_js)
         svg = page.evaluate(
             """async (text) => {
-            mermaid.initialize({startOnLoad: false, theme: "default", htmlLabels: false, flowchart: {htmlLabels: false}});
+            mermaid.initialize({startOnLoad: false, theme: "default", htmlLabels: false,
+                                flowchart: {htmlLabels: false}});
             const {svg} = await mermaid.render("diagram", text);
             return svg;
         }""",
