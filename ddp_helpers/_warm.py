@@ -277,14 +277,19 @@ def serve(address: str) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # nothing more to say on stdout; the forked agents get their own
     agents: dict[int, socket.socket] = {}
-    while True:
-        readable, _, _ = select.select([0, listener], [], [], 0.05)
-        if 0 in readable and not os.read(0, 512):
-            break  # the kernel is gone (or closed us): every launch's own lifeline ends its agents
-        if listener in readable:
-            conn, _ = listener.accept()
-            _handle(conn, listener, agents)
-        _reap(agents)
+    try:
+        while True:
+            readable, _, _ = select.select([0, listener], [], [], 0.05)
+            if 0 in readable and not os.read(0, 512):
+                break  # the kernel is gone (or closed us): every launch's own lifeline ends its agents
+            if listener in readable:
+                conn, _ = listener.accept()
+                _handle(conn, listener, agents)
+            _reap(agents)
+    finally:  # the private folder and its socket go with this process, even when the kernel was killed
+        import shutil
+
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
 def _handle(conn: socket.socket, listener: socket.socket, agents: dict[int, socket.socket]) -> None:

@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from ddp_test_support import REPO, wait_for_no_leftovers
@@ -255,9 +257,32 @@ def test_interrupt_kills_every_process(script, tmp_path):
 def test_sigkilled_parent_leaves_no_orphans(script, tmp_path):
     proc = _parent(tmp_path, script(HANG))
     _wait_until_ready(proc)
+    (warm,) = _warm_processes_of(proc.pid)  # the parent's warm process, which ends with it
     proc.kill()
     proc.wait()
     assert wait_for_no_leftovers(proc.pid, within=60) == []
+    for _ in range(600):  # a safety net: it ends as soon as it reads the end of its stdin
+        if not os.path.exists(f"/proc/{warm.pid}"):
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{warm.pid}"), "the warm process outlived its kernel"
+    assert not os.path.exists(warm.folder), f"{warm.folder} (the warm process's socket) outlived its kernel"
+
+
+def _warm_processes_of(parent: int) -> list[SimpleNamespace]:
+    """The warm processes a process started: pid and private folder (the socket's, the last argument)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")[:-1]
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "ddp_helpers._warm" in argv:
+            found.append(SimpleNamespace(pid=int(entry), folder=os.path.dirname(argv[-1])))
+    return found
 
 
 def test_eight_concurrent_launches(script):
