@@ -1,7 +1,9 @@
-"""The practice SLURM cluster of tools/slurm_cluster.sh: two nodes idle, and a batch job of one torchrun per node
-(c10d rendezvous at the first node's name) that forms one gloo group across the nodes and leaves nothing behind.
+"""The practice SLURM cluster of tools/slurm_cluster.sh: two nodes idle, and a batch job of one torchrun per
+node (c10d rendezvous at the first node's name) that forms one gloo group across the nodes and leaves nothing
+behind.
 
-Without the cluster these tests skip in one line; with DDP_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead.
+Without the cluster these tests skip in one line; with DDP_REQUIRE_SLURM=1 (.ci/run sets it) they fail
+instead.
 They run only on the practice cluster (its slurm.conf carries the script's mark), never on a real one."""
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from ddp_test_support import REPO
 
 CONF = Path("/etc/slurm/slurm.conf")
-MARK = "# written by ddp-notebooks tools/slurm_cluster.sh"  # tools/slurm_cluster.sh: the first line of its conf
+MARK = (
+    "# written by ddp-notebooks tools/slurm_cluster.sh"  # tools/slurm_cluster.sh: the first line of its conf
+)
 NODES = ["node1", "node2"]
 HELLO = REPO / "notebooks" / "scripts" / "00_hello.py"
 WAIT = 300  # seconds: only bounds a failure (a hung job is cancelled and named), never part of a result
@@ -31,14 +34,16 @@ WAIT = 300  # seconds: only bounds a failure (a hung job is cancelled and named)
 # Runs in each torchrun worker: says where torchrun and SLURM put this rank, then runs 00_hello.py unchanged.
 WHERE = """\
 import json, os, runpy, sys
-keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "SLURMD_NODENAME", "SLURM_NODEID")
+keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
+        "SLURMD_NODENAME", "SLURM_NODEID")
 print(json.dumps({{"where": {{k: os.environ.get(k) for k in keys}}}}), flush=True)
 sys.argv = [{hello!r}]
 runpy.run_path({hello!r}, run_name="__main__")
 """
 
-# What a reader would submit: one torchrun per node (srun starts one task per node), all meeting at the first
-# node of the allocation. Per-node output files (srun's %n: the node's index in the job) keep their lines apart.
+# What a reader would submit: one torchrun per node (srun starts one task per node), all meeting at the
+# first node of the allocation. Per-node output files (srun's %n: the node's index in the job) keep their
+# lines apart.
 BATCH = """\
 #!/bin/bash
 #SBATCH --job-name={name}
@@ -79,7 +84,9 @@ def cluster_missing() -> str | None:
     except subprocess.TimeoutExpired:
         states = {}
     if sorted(states) != NODES:
-        return f"the practice SLURM cluster does not answer (sinfo: {states}): `sudo tools/slurm_cluster.sh up`"
+        return (
+            f"the practice SLURM cluster does not answer (sinfo: {states}): `sudo tools/slurm_cluster.sh up`"
+        )
     return None
 
 
@@ -87,7 +94,9 @@ def cluster_missing() -> str | None:
 def cluster():
     reason = cluster_missing()
     if reason is not None:
-        if os.environ.get("DDP_REQUIRE_SLURM"):  # CI sets it: there, a missing cluster is a failure, not a skip
+        if os.environ.get(
+            "DDP_REQUIRE_SLURM"
+        ):  # CI sets it: there, a missing cluster is a failure, not a skip
             pytest.fail(reason)
         pytest.skip(reason)
 
@@ -120,14 +129,25 @@ def marked_processes(token: str) -> list[str]:
     return found
 
 
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-            "OUT_OF_MEMORY"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+}
 
 
 def wait_for_end(job_id: str, name: str) -> tuple[str, str]:
-    """The job's final state and exit code, as slurmctld reports them once it has ended (it keeps a finished job
-    for MinJobAge, 300 s by default). Polled here every 0.2 s: `sbatch --wait` polls too, but after 2 s, 8 s and
-    then every 32 s (src/sbatch/sbatch.c, _job_wait), which would add up to half a minute to a ten-second job."""
+    """The job's final state and exit code, as slurmctld reports them once it has ended.
+
+    slurmctld keeps a finished job for MinJobAge, 300 s by default. Polled here every 0.2 s: `sbatch --wait`
+    polls too, but after 2 s, 8 s and then every 32 s (src/sbatch/sbatch.c, _job_wait), which would add up to
+    half a minute to a ten-second job."""
     end = time.monotonic() + WAIT
     while True:
         shown = _run("scontrol", "show", "job", "-o", job_id).stdout
@@ -135,7 +155,9 @@ def wait_for_end(job_id: str, name: str) -> tuple[str, str]:
         if state and state[1] in FINISHED:
             return state[1], re.search(r"\bExitCode=(\S+)", shown)[1]
         if time.monotonic() > end:
-            pytest.fail(f"job {name} ({job_id}) did not end within {WAIT}s: {shown.strip()} (the fixture cancels it)")
+            pytest.fail(
+                f"job {name} ({job_id}) did not end within {WAIT}s: {shown.strip()} (the fixture cancels it)"
+            )
         time.sleep(0.2)
 
 
@@ -183,15 +205,29 @@ def test_torchrun_per_node_forms_one_group(job, tmp_path: Path):
     where_py = tmp_path / "where.py"
     where_py.write_text(WHERE.format(hello=str(HELLO)))
     batch = tmp_path / "job.sbatch"
-    batch.write_text(BATCH.format(name=name, out=tmp_path, torchrun=torchrun, port=free_port(), where=where_py))
-    env = {**os.environ, "DDP_SLURM_TEST": token, "DDP_BACKEND": "gloo"}  # sbatch exports it all (--export=ALL)
-    submitted = subprocess.run(["sbatch", "--parsable", str(batch)], capture_output=True, text=True, env=env,
-                               cwd=tmp_path, timeout=60)
+    batch.write_text(
+        BATCH.format(name=name, out=tmp_path, torchrun=torchrun, port=free_port(), where=where_py)
+    )
+    env = {
+        **os.environ,
+        "DDP_SLURM_TEST": token,
+        "DDP_BACKEND": "gloo",
+    }  # sbatch exports it all (--export=ALL)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(batch)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
     state, exit_code = wait_for_end(job_id, name)
     outputs = {p.name: p.read_text() for p in tmp_path.glob("*.out")}
-    assert (state, exit_code) == ("COMPLETED", "0:0"), f"job {name} ({job_id}): {state} {exit_code}\n{outputs}"
+    assert (state, exit_code) == ("COMPLETED", "0:0"), (
+        f"job {name} ({job_id}): {state} {exit_code}\n{outputs}"
+    )
 
     assert {"node-0.out", "node-1.out"} <= set(outputs), outputs
     records = {}  # SLURM's node name -> the JSON records of the torchrun (one srun task) that ran there
@@ -205,7 +241,10 @@ def test_torchrun_per_node_forms_one_group(job, tmp_path: Path):
         records[placed[0]["SLURMD_NODENAME"]] = placed[0], summed[0]
     assert sorted(records) == NODES, records  # one torchrun ran on each node
 
-    assert sorted(hello["rank"] for _, hello in records.values()) == [0, 1]  # which node gets rank 0: not asserted
+    assert sorted(hello["rank"] for _, hello in records.values()) == [
+        0,
+        1,
+    ]  # which node gets rank 0: not asserted
     for where, hello in records.values():
         assert hello["world_size"] == 2 and hello["backend"] == "gloo"
         assert hello["sum"] == 3.0  # all_reduce of rank + 1 over ranks 0 and 1: one group across both nodes
