@@ -8,7 +8,7 @@ agent does in three ways (``fork_workers``), plus two things in each forked rank
 - the agent's ``_wrap`` around each worker function is wrapped, so that a forked worker leaves as soon as its
   script ends (torch's waits until the agent has read its return value; a script run by python does not);
 - ``config_from_args`` is wrapped, so that building torchrun's config counts CUDA devices through NVML
-  (``torch.cuda._device_count_nvml``) instead of initialising CUDA, which no later fork could use;
+  (``torch.cuda._device_count_nvml``) instead of asking the CUDA runtime, after which no fork can use CUDA;
 - in each rank, ``multiprocessing`` is told it is the main process again, as in a fresh interpreter.
 
 None of these is a public API, so a torch release may move one. ``missing()`` looks for every one of them; the
@@ -27,8 +27,8 @@ INTERNALS = (
     "torch.distributed.run:config_from_args",
     "torch.distributed.launcher.api:LaunchConfig.start_method",
     "torch.distributed.elastic.multiprocessing.api:_wrap",
-    "torch.accelerator:is_available",
-    "torch.accelerator:device_count",
+    "torch.cuda:is_available",
+    "torch.cuda:device_count",
     "torch.cuda:_device_count_nvml",
     "multiprocessing.process:_current_process",
     "multiprocessing.process:_parent_process",
@@ -78,20 +78,25 @@ def fork_workers(torchrun_module) -> None:
     config_from_args = torchrun_module.config_from_args
 
     def config_without_cuda(args):
-        # torchrun's config asks torch.accelerator whether to bind NUMA nodes; with CUDA that initialises the
-        # driver in this agent, and a process forked after that cannot use CUDA at all. Answer through NVML,
-        # which gives the same count without touching CUDA, while the config is built.
+        # torchrun's config asks whether this node has as many GPUs as ranks (to bind NUMA nodes): through
+        # torch.cuda in torch 2.10 to 2.13, torch.accelerator since 2.14 (earlier releases do not ask). Either
+        # asks the CUDA runtime, which marks every later fork of this agent as a bad fork, so that each rank
+        # fails on its first CUDA call ("Cannot re-initialize CUDA in forked subprocess", even without a GPU).
+        # Answer through NVML, which gives the same count without touching CUDA, while the config is built.
         import torch
 
-        accelerator = torch.accelerator
-        real = accelerator.is_available, accelerator.device_count
-        if torch.version.cuda is not None:
-            count = max(cuda_devices() or 0, 0)
-            accelerator.is_available, accelerator.device_count = (lambda: count > 0), (lambda: count)
+        if torch.version.cuda is None:  # a CPU-only build: nothing can initialise CUDA
+            return config_from_args(args)
+        count = max(cuda_devices() or 0, 0)
+        modules = [torch.cuda] + ([torch.accelerator] if hasattr(torch, "accelerator") else [])  # torch >= 2.6
+        real = [(m, m.is_available, m.device_count) for m in modules]
+        for module in modules:
+            module.is_available, module.device_count = (lambda: count > 0), (lambda: count)
         try:
             return config_from_args(args)
         finally:
-            accelerator.is_available, accelerator.device_count = real
+            for module, is_available, device_count in real:
+                module.is_available, module.device_count = is_available, device_count
 
     torchrun_module.config_from_args = config_without_cuda
     torchrun_module.elastic_launch = forked_launch

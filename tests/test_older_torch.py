@@ -1,0 +1,50 @@
+"""What older torch releases do differently, reproduced on the pinned one, where a script or the launcher
+has to cope with it. tools/torch_matrix.py runs the real releases; these tests keep each fix in place."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("kernel_unchanged")
+
+# Run in a fresh interpreter: a fork handler that the CUDA runtime registers cannot be removed again.
+_FORK_AFTER_CONFIG = """
+import os, types
+import torch
+from ddp_helpers import _internals
+
+def config_from_args(args):  # what torchrun's config asks: torch.cuda (2.10-2.13), torch.accelerator (2.14)
+    torch.cuda.is_available(), torch.cuda.device_count()
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.is_available(), torch.accelerator.device_count()
+    return "config"
+
+real = torch.cuda.is_available
+torchrun_module = types.SimpleNamespace(config_from_args=config_from_args, elastic_launch=None)
+_internals.fork_workers(torchrun_module)
+assert torchrun_module.config_from_args(None) == "config"
+assert torch.cuda.is_available is real, "the real function is back once the config is built"
+pid = os.fork()
+if pid == 0:  # the agent's fork of a rank: may it still use CUDA (or find that there is none)?
+    os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_building_torchruns_config_leaves_the_ranks_forks_able_to_use_cuda():
+    """Notebook 04 failed on torch 2.10 in warm launches with "Cannot re-initialize CUDA in forked
+    subprocess", on this machine without a GPU: torch 2.10's LaunchConfig asks torch.cuda.is_available(),
+    which registers the CUDA runtime's fork handler in the agent, so every rank it forked was a bad fork."""
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only build of torch has no CUDA fork handler")
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_AFTER_CONFIG], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"], (
+        f"the forked rank is a bad fork for CUDA: {done.stdout} {done.stderr}"
+    )
