@@ -3,12 +3,52 @@ has to cope with it. tools/torch_matrix.py runs the real releases; these tests k
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
+from ddp_test_support import REPO
+
+from ddp_helpers import torchrun
 
 pytestmark = pytest.mark.usefixtures("kernel_unchanged")
+
+# torch before 2.14: an agent's store serves every tcp:// address as far as init_process_group is concerned.
+BEFORE_2_14 = """
+import runpy, sys
+import torch.distributed.rendezvous
+rendezvous = sys.modules["torch.distributed.rendezvous"]  # the attribute of that name is a function
+rendezvous._agent_store_serves = lambda hostname, port: rendezvous._torchelastic_use_agent_store()
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_a_tcp_url_forms_the_group_under_torchrun_also_where_torch_would_hang(tmp_path):
+    """Notebook 05 hung in cell 14 on torch 2.6 and 2.10: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
+    init_process_group before torch 2.14 made every rank a client of the tcp:// address given, where nobody
+    served a store, and each waited there for 30 minutes. With 2.14's check undone as in those releases,
+    05_launch.py must still form its group on a tcp:// URL (its own_store does what 2.14 does)."""
+    script = REPO / "notebooks" / "scripts" / "05_launch.py"
+    wrapper = tmp_path / "05_launch_before_2_14.py"
+    wrapper.write_text(BEFORE_2_14.format(script=str(script)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = torchrun(
+        str(wrapper),
+        "--init-method",
+        f"tcp://127.0.0.1:{port}",
+        nproc_per_node=2,
+        backend="gloo",
+        live=False,
+        timeout=120,
+    )
+    records = result.records()
+    assert sorted(r["rank"] for r in records) == [0, 1] and {r["sum"] for r in records} == {3.0}, records
+    assert {r["env"]["TORCHELASTIC_USE_AGENT_STORE"] for r in records} == {"True"}, records  # under the agent
+
 
 # Run in a fresh interpreter: a fork handler that the CUDA runtime registers cannot be removed again.
 _FORK_AFTER_CONFIG = """

@@ -1,5 +1,6 @@
 """05_launch.py: what torchrun gives each worker, and init_process_group with each init method."""
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -36,6 +37,24 @@ def tcp_connections() -> set[tuple[int, int]] | None:
     return connections
 
 
+@contextlib.contextmanager
+def own_store(url: str):
+    """Let rank 0 host the store a tcp:// URL names, under torchrun too, on every torch version.
+
+    torchrun tells its workers TORCHELASTIC_USE_AGENT_STORE=True: its agent serves a store at MASTER_ADDR:MASTER_PORT.
+    Before torch 2.14, init_process_group took that for any tcp:// address, so every rank became a client of a store
+    that nobody served, and all of them waited in init_process_group (a hang). Since 2.14 it takes it for that one
+    address only; outside it, this hides the variable for the call, which is what 2.14 does."""
+    parsed = urlparse(url)
+    agents = (parsed.hostname, str(parsed.port)) == (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+    hidden = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) if parsed.scheme == "tcp" and not agents else None
+    try:
+        yield
+    finally:
+        if hidden is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = hidden
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--init-method", action="append",
@@ -67,7 +86,8 @@ def main() -> None:
     for url in args.init_method or ["env://"]:
         held_before = tcp_connections()
         # With env:// (the default) rank and world_size may be left out: torchrun's RANK and WORLD_SIZE are used.
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
+        with own_store(url):
+            dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size, timeout=timeout)
         store_file = urlparse(url).path if url.startswith("file://") else None
         record = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "init_method": url,
                   "store_file": store_file, "store_file_exists": bool(store_file and os.path.exists(store_file))}
