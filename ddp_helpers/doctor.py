@@ -2,7 +2,9 @@
 
 Statuses: ✓ pass, ⚠ warn (works, but read the line: exit code stays 0), ✗ fail (exit code 1).
 Warnings: a single CPU core (two ranks share it: slow but correct), stale torchrun variables such
-as RANK in the shell, GPUs without NCCL (the scripts would pick NCCL and fail: DDP_BACKEND=gloo avoids it).
+as RANK in the shell, GPUs without NCCL (the scripts would pick NCCL and fail: DDP_BACKEND=gloo avoids it),
+a torch or torchvision other than the pinned one (supported from pyproject.toml's floor on, but the notebooks'
+version-specific cells may differ); older than that floor is unsupported and fails.
 Nothing here imports torch until a check runs, so ``--help`` is instant.
 """
 
@@ -12,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import sys
@@ -58,13 +61,40 @@ def read_pins(path: Path) -> dict[str, str]:
     return pins
 
 
-def compare_version(name: str, installed: str, pinned: str | None) -> Check:
-    """Installed version against its pin, ignoring a local suffix such as ``+cu130`` or ``+cpu``."""
+def read_floors(pyproject: Path) -> dict[str, str]:
+    """The oldest supported release of each dependency: its ``name>=X`` in pyproject.toml's dependencies."""
+    import tomllib
+
+    floors = {}
+    for req in tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]:
+        name, sep, version = req.partition(">=")
+        if sep:
+            floors[name.strip().lower()] = version.split(",")[0].strip()
+    return floors
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'2.14.1+cu130' -> (2, 14, 1): the release numbers, before any local or pre-release suffix."""
+    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version)[0].split("."))
+
+
+def compare_version(name: str, installed: str, pinned: str | None, floor: str | None = None) -> Check:
+    """Installed version against its pin (a local suffix such as ``+cu130`` or ``+cpu`` ignored) and the
+    project's floor: the pin passes; below the floor is unsupported (fail); anything else works but is not
+    what the notebooks were run with (warn: their version-specific cells may differ)."""
+    if floor is not None and _release(installed) < _release(floor):
+        return Check(name, "fail", f"{installed} is unsupported: the series needs {name} >= {floor}", INSTALL)
     if pinned is None:
         return Check(name, "pass", f"{installed} (no pin in constraints.txt)")
-    if installed.split("+")[0] == pinned.split("+")[0]:
+    if _release(installed) == _release(pinned):
         return Check(name, "pass", f"{installed} (pinned {pinned})")
-    return Check(name, "fail", f"{installed} installed, but constraints.txt pins {pinned}", INSTALL)
+    return Check(
+        name,
+        "warn",
+        f"{installed}: not the pinned version ({pinned}): the notebooks' version-specific cells may differ "
+        "(README.md, 'Tested torch versions', says which pass where)",
+        INSTALL,
+    )
 
 
 def check_python() -> Check:
@@ -79,16 +109,16 @@ def check_python() -> Check:
 
 
 def check_package(name: str) -> Check:
-    """An installed package, compared with its pin in constraints.txt at the repository root."""
+    """An installed package, compared with its pin in constraints.txt and its floor in pyproject.toml."""
     if util.find_spec(name) is None:
         return Check(name, "fail", "not installed", INSTALL)
     installed = metadata.version(name)
-    constraints = REPO / "constraints.txt"
-    if not constraints.is_file():
-        return Check(
-            name, "pass", f"{installed} (constraints.txt not found next to the package: pin not compared)"
-        )
-    return compare_version(name, installed, read_pins(constraints).get(name))
+    constraints, pyproject = REPO / "constraints.txt", REPO / "pyproject.toml"
+    if not constraints.is_file() or not pyproject.is_file():
+        return Check(name, "pass", f"{installed} (no clone next to the package: pin and floor not compared)")
+    return compare_version(
+        name, installed, read_pins(constraints).get(name), read_floors(pyproject).get(name)
+    )
 
 
 def check_distributed() -> Check:
