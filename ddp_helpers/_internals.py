@@ -29,6 +29,8 @@ INTERNALS = (
     "torch.distributed.elastic.multiprocessing.api:_wrap",
     "torch.cuda:is_available",
     "torch.cuda:device_count",
+    "torch.accelerator:is_available",
+    "torch.accelerator:device_count",
     "torch.cuda:_device_count_nvml",
     "multiprocessing.process:_current_process",
     "multiprocessing.process:_parent_process",
@@ -88,7 +90,7 @@ def fork_workers(torchrun_module) -> None:
         if torch.version.cuda is None:  # a CPU-only build: nothing can initialise CUDA
             return config_from_args(args)
         count = max(cuda_devices() or 0, 0)
-        modules = [torch.cuda] + ([torch.accelerator] if hasattr(torch, "accelerator") else [])  # torch >= 2.6
+        modules = [torch.cuda, torch.accelerator]
         real = [(m, m.is_available, m.device_count) for m in modules]
         for module in modules:
             module.is_available, module.device_count = (lambda: count > 0), (lambda: count)

@@ -94,25 +94,25 @@ def test_the_gpu_line_says_what_a_launch_gets(monkeypatch):
 
 
 def test_version_comparison_ignores_local_suffix_only():
-    assert doctor.compare_version("torch", "2.14.1+cu130", "2.14.1", "2.4").status == "pass"
-    assert doctor.compare_version("torch", "2.14.1rc1", "2.14.1", "2.4").status == "pass"
+    assert doctor.compare_version("torch", "2.14.1+cu130", "2.14.1", "2.8").status == "pass"
+    assert doctor.compare_version("torch", "2.14.1rc1", "2.14.1", "2.8").status == "pass"
     assert doctor.compare_version("jupyterlab", "4.6.6", None, "4.1").status == "pass"
 
 
 def test_not_the_pinned_version_warns_and_below_the_floor_fails():
-    other = doctor.compare_version("torch", "2.13.0+cpu", "2.14.1", "2.4")
+    other = doctor.compare_version("torch", "2.13.0+cpu", "2.14.1", "2.8")
     assert other.status == "warn" and "not the pinned version" in other.detail, other
     assert "version-specific cells may differ" in other.detail, other
-    assert doctor.compare_version("torch", "2.4.1", "2.14.1", "2.4").status == "warn"  # the floor itself
-    assert doctor.compare_version("torch", "2.15.0", "2.14.1", "2.4").status == "warn"  # newer than tested
-    old = doctor.compare_version("torch", "2.3.1+cu121", "2.14.1", "2.4")
-    assert old.status == "fail" and "unsupported" in old.detail and ">= 2.4" in old.detail, old
-    assert doctor.compare_version("torchvision", "0.18.1", "0.29.1", "0.19").status == "fail"
+    assert doctor.compare_version("torch", "2.8.0", "2.14.1", "2.8").status == "warn"  # the floor itself
+    assert doctor.compare_version("torch", "2.15.0", "2.14.1", "2.8").status == "warn"  # newer than tested
+    old = doctor.compare_version("torch", "2.7.1+cu126", "2.14.1", "2.8")
+    assert old.status == "fail" and "unsupported" in old.detail and ">= 2.8" in old.detail, old
+    assert doctor.compare_version("torchvision", "0.22.1", "0.29.1", "0.23").status == "fail"
 
 
 def test_the_floors_come_from_pyproject():
     floors = doctor.read_floors(REPO / "pyproject.toml")
-    assert floors["torch"] == "2.4" and floors["torchvision"] == "0.19", floors
+    assert floors["torch"] == "2.8" and floors["torchvision"] == "0.23", floors
 
 
 def test_read_pins_skips_comments(tmp_path):

@@ -50,6 +50,37 @@ def test_a_tcp_url_forms_the_group_under_torchrun_also_where_torch_would_hang(tm
     assert {r["env"]["TORCHELASTIC_USE_AGENT_STORE"] for r in records} == {"True"}, records  # under the agent
 
 
+DESTROY_WHILE_IN_FLIGHT = """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        tensor = torch.ones(1)
+        work = dist.all_reduce(tensor, async_op=True)  # in flight until rank 1 joins it
+        del tensor, work  # only the work holds the tensor now: the worker thread that ends the work frees it
+        store.set("rank 0 destroys", "now")
+    else:
+        store.wait(["rank 0 destroys"])
+        dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+    print('{"rank": %d, "destroyed": true}' % int(__import__("os").environ["RANK"]), flush=True)
+"""
+
+
+def test_destroy_process_group_returns_while_a_worker_thread_frees_a_tensor(script):
+    """Why the floor is torch 2.8. Before 2.8, ProcessGroupGloo's destructor (in destroy_process_group) held
+    the GIL while it joined its worker threads, and a worker thread that freed the last reference to a tensor
+    needed the GIL: each waited for the other. Scripts met it at their last line, at random:
+    03_sync_batchnorm.py and 07_gallery.py hung there on torch 2.4 (gdb: the main thread in ~ProcessGroupGloo
+    joining a gloo worker, which waited for the GIL in ~AsyncWork). This job frees a tensor in a worker thread
+    while rank 0 destroys its group: it hung on 2.4 and ends on 2.8, where pytorch#154976 releases the
+    GIL there."""
+    result = torchrun(script(DESTROY_WHILE_IN_FLIGHT), nproc_per_node=2, live=False, timeout=120)
+    assert sorted(r["rank"] for r in result.records() if r["destroyed"]) == [0, 1], result.records()
+
+
 # Run in a fresh interpreter: a fork handler that the CUDA runtime registers cannot be removed again.
 _FORK_AFTER_CONFIG = """
 import os, types
