@@ -3,12 +3,17 @@
 Runs each script of ``notebooks/scripts`` the way its notebook does, once with ``warm=False`` (a fresh
 torchrun process) and once warm, and compares what the ranks printed: the JSON records with timing fields left
 out, or, for the scripts that fail or hang on purpose, which rank was blamed, how it ended and why. Prints one
-line per script and exits non-zero if any differs. Usage: ``python benchmarks/warm_fidelity.py [NAME_PREFIX]``
-(about 3 minutes on 2 cores; it writes to the git-ignored notebooks/runs/ and notebooks/data/).
+line per script and exits non-zero if any differs.
+Usage: ``python benchmarks/warm_fidelity.py [NAME_PREFIX] [--json FILE]`` (about 3 minutes on 2 cores; it
+writes to the git-ignored notebooks/runs/ and notebooks/data/).
+``--json`` also writes every launch's outcome, with its error's text and its duration, one JSON object a line:
+``tools/torch_matrix.py`` runs this on each torch version and compares what the versions report.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import shutil
@@ -35,8 +40,9 @@ def _untimed(value: object) -> object:
     return value
 
 
-def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs) -> object:
-    """What a launch reported, timings aside: its records, or how it failed."""
+def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs) -> dict:
+    """What a launch reported, timings aside: its records, or how it failed (with the error's text under
+    ``"error"``, which the comparison leaves out: it names processes and ports)."""
     for name in fresh:  # outputs of the other launch, removed so that both start alike
         path = NOTEBOOKS / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -52,8 +58,13 @@ def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs
             "timed_out": err.timed_out,
             "stuck": err.stuck_ranks,
             "records": _untimed(err.result.records()),
+            "error": f"{type(err).__name__}: {err}",
         }
     return {"failed": False, "records": _untimed(result.records()), "exitcodes": result.exitcodes}
+
+
+def comparable(found: dict) -> dict:
+    return {k: v for k, v in found.items() if k != "error"}
 
 
 CASES = [  # (script, args, launch keywords, folders to clear before each launch)
@@ -117,23 +128,48 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
 ]
 
 
-def main() -> int:
-    only = sys.argv[1] if len(sys.argv) > 1 else ""  # e.g. "08_": only the scripts whose name starts so
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "only", nargs="?", default="", help='only the scripts whose name starts so, e.g. "08_"'
+    )
+    parser.add_argument(
+        "--json", type=Path, help="also write every launch's outcome here, one JSON object a line"
+    )
+    parser.add_argument("--warm-only", action="store_true", help="warm launches only, nothing compared")
+    args = parser.parse_args(argv)
+    log = args.json.resolve() if args.json else None
     os.chdir(NOTEBOOKS)
     make_image_folder("data/shapes", num_classes=4, images_per_class=5, size=16, seed=0)
     make_image_folder("data/capstone", num_classes=4, images_per_class=64, size=16, seed=0, val_fraction=0.25)
     differ = 0
-    cases = [case for case in CASES if case[0].startswith(only)]
-    for script, args, kwargs, fresh in cases:
+    cases = [case for case in CASES if case[0].startswith(args.only)]
+    for script, script_args, kwargs, fresh in cases:
         start = time.perf_counter()
         runs = {}
-        for warm in (False, True):
-            runs[warm] = outcome(script, *args, warm=warm, fresh=fresh, **kwargs)
-        same = runs[False] == runs[True]
+        for warm in (True,) if args.warm_only else (False, True):
+            began = time.perf_counter()
+            try:
+                runs[warm] = outcome(script, *script_args, warm=warm, fresh=fresh, **kwargs)
+            except Exception as err:  # the launcher itself failed (on another torch version, say): go on
+                runs[warm] = {"failed": True, "launcher_error": f"{type(err).__name__}: {err}"}
+            if log:
+                line = {
+                    "script": script,
+                    "args": script_args,
+                    "warm": warm,
+                    "outcome": runs[warm],
+                    "seconds": round(time.perf_counter() - began, 1),
+                }
+                with open(log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(line, default=str) + "\n")
+        if args.warm_only:
+            continue
+        same = comparable(runs[False]) == comparable(runs[True])
         differ += not same
         what = "failed alike" if runs[False].get("failed") else f"{len(runs[False]['records'])} records alike"
         print(
-            f"{'same' if same else 'DIFFERENT'}  {script} {' '.join(args)}: "
+            f"{'same' if same else 'DIFFERENT'}  {script} {' '.join(script_args)}: "
             f"{what if same else runs}  ({time.perf_counter() - start:.0f} s)",
             flush=True,
         )

@@ -1,0 +1,349 @@
+"""tools/torch_matrix.py without installing anything (pairing, comparing outcomes, notebook verdicts, the
+table, the README markers), and the README's table kept in step with the floor pyproject.toml declares."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ddp_test_support import REPO
+
+_spec = importlib.util.spec_from_file_location("torch_matrix", REPO / "tools" / "torch_matrix.py")
+tm = importlib.util.module_from_spec(_spec)
+sys.modules["torch_matrix"] = tm
+_spec.loader.exec_module(tm)
+
+PINNED = {"torch": "2.14.1", "torchvision": "0.29.1"}
+OK = {"failed": False, "records": [{"rank": 0, "loss": 0.5}], "exitcodes": {"0": 0}}
+
+
+def _case(cold, warm=None):
+    return {"cold": cold, "warm": cold if warm is None else warm, "seconds": {}}
+
+
+def test_versions_and_the_floor():
+    assert tm.minor_of("2.13.0+cpu") == (2, 13) and tm.label((2, 4)) == "2.4"
+    assert tm.newest_minor(["2.15.0", "2.16.0+cpu", "2.14.1"]) == (
+        2,
+        15,
+    )  # a local build alone does not count
+    assert tm.pinned_pair() == PINNED
+
+
+def test_the_floor_is_one_number_everywhere():
+    """pyproject.toml declares it; notebook 00 refuses anything older; the doctor reads the same file."""
+    floor = tm.declared_floor()
+    assert floor == (2, 8), floor
+    nb = json.loads((REPO / "notebooks" / "00_start_here.ipynb").read_text())
+    first = "".join(next(c for c in nb["cells"] if "torch_version >=" in "".join(c["source"]))["source"])
+    assert f"torch_version >= {floor}" in first, first
+    assert f"needs torch {tm.label(floor)} or newer" in first, first
+    from ddp_helpers import doctor
+
+    assert doctor.read_floors(REPO / "pyproject.toml")["torch"] == tm.label(floor)
+
+
+def test_differences_separate_float_rounding_from_behaviour():
+    assert tm.differences({"a": [1.0, 2], "ok": True}, {"a": [1.0, 2], "ok": True}) == ([], 0.0)
+    paths, worst = tm.differences({"a": [1.0, 2]}, {"a": [1.00001, 2]})
+    assert paths == [] and 0 < worst < tm.FLOAT_RTOL
+    assert tm.differences({"a": [1.0, 3], "b": 1}, {"a": [1.1, 2], "c": 1})[0] == ["a[0]", "a[1]", "b", "c"]
+    assert tm.differences({"x": True}, {"x": 1})[0] == ["x"]  # a bool is not the number 1 here
+    assert tm.differences([1, 2], [1])[0] == ["value (length 2 vs 1)"]
+
+
+def test_script_verdicts():
+    assert tm.script_verdict("00_hello", _case(OK), _case(OK), (2, 6)) == ("pass", "")
+    close = dict(OK, records=[{"rank": 0, "loss": 0.500001}])
+    assert tm.script_verdict("00_hello", _case(close), _case(OK), (2, 6))[0] == "pass≈"
+    drift = dict(OK, records=[{"rank": 0, "loss": 0.51}])
+    verdict, detail = tm.script_verdict("00_hello", _case(drift), _case(OK), (2, 6))
+    assert verdict == "floats differ" and "2.0e-02" in detail and "records[0].loss" in detail
+    changed = dict(OK, records=[{"rank": 0, "loss": 0.5, "warned": True}])
+    verdict, detail = tm.script_verdict("00_hello", _case(changed), _case(OK), (2, 6))
+    assert verdict == "differs" and "records[0].warned" in detail
+    crash = {
+        "failed": True,
+        "raised": ["AttributeError"],
+        "timed_out": False,
+        "stuck": [],
+        "records": [],
+        "error": "JobFailedError: rank 0 raised AttributeError (exit code 1).\n--- rank 0 stderr ---\n"
+        "Traceback ...\nAttributeError: 'Stream' object has no attribute 'record_event'",
+    }
+    assert tm.script_verdict("08_memory", _case(crash), _case(OK), (2, 6)) == (
+        "fails",
+        "rank 0: AttributeError: 'Stream' object has no attribute 'record_event'",
+    )
+    hang = {
+        "failed": True,
+        "raised": [],
+        "timed_out": True,
+        "stuck": [0, 1],
+        "records": [],
+        "error": "JobHungError: timed out after 120 s; stuck: rank 0, rank 1 (waits).\n  rank 0 waits in x",
+    }
+    assert tm.script_verdict("05_launch", _case(hang), _case(OK), (2, 6)) == (
+        "hangs",
+        "timed out after 120 s; stuck: rank 0, rank 1 (waits).",
+    )
+    assert (
+        tm.script_verdict("00_crash", _case(crash), _case(crash), (2, 6))[0] == "pass"
+    )  # fails as it should
+    assert tm.script_verdict("00_hello", _case(OK, warm=crash), _case(OK), (2, 6))[0] == "warm≠cold"
+    assert tm.script_verdict("00_hello", _case(OK, warm=crash), None, (2, 14))[0] == "warm≠cold"  # pinned row
+    assert tm.script_verdict("00_hello", {"cold": OK}, _case(OK), (2, 6))[0] == "not run"
+
+
+def test_a_failed_launch_is_compared_by_its_distinct_records():
+    """Which rank printed before torchrun stopped it is a race: a failed launch's records count as a set."""
+    both = {
+        "failed": True,
+        "raised": ["ValueError"],
+        "timed_out": False,
+        "stuck": [],
+        "records": [{"rank": 0, "arg": -1}, {"rank": 1, "arg": -1}],
+    }
+    one = dict(both, records=[{"rank": 1, "arg": -1}])
+    assert tm.script_verdict("05_seed_snippet", _case(one, warm=both), _case(both), (2, 6)) == ("pass", "")
+
+
+def test_named_differences_hold_only_where_named():
+    (first, last) = next((a, b) for case, a, b, _, _ in tm.NAMED if case == "04_ddp")
+    old = dict(OK, records=[{"rank": 0, "loss": 0.5, "broadcast_buffers=False": {"syncs": 1}}])
+    new = dict(OK, records=[{"rank": 0, "loss": 0.5, "forward_sync_buffers=False": {"syncs": 1}}])
+    verdict, detail = tm.script_verdict("04_ddp", _case(old), _case(new), first)
+    assert verdict == "named" and re.fullmatch(r"\[N\d+\]", detail), (verdict, detail)
+    assert tm.script_verdict("04_ddp", _case(old), _case(new), (last[0], last[1] + 1))[0] == "differs"
+    other = dict(old, records=[{**old["records"][0], "loss": 0.7}])  # a named path does not excuse the others
+    assert tm.script_verdict("04_ddp", _case(other), _case(new), first)[0] == "floats differ"
+    assert tm.script_verdict("00_hello", _case(old), _case(new), first)[0] == "differs"
+
+
+def test_the_ports_of_a_launch_are_not_compared():
+    def launch(ports):
+        return {"failed": False, "records": [{"rank": 0, "sum": 3.0, "tcp_opened": ports}]}
+
+    assert tm.script_verdict(
+        "05_launch", _case(launch([[1, 2]]), warm=launch([[3, 4], [5, 6]])), None, (2, 14)
+    ) == ("pass", "")
+
+
+def _nb(cells):
+    return {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def _code(outputs=(), replied=True, tags=()):
+    meta = {"execution": {"shell.execute_reply": "t"} if replied else {}, "tags": list(tags)}
+    return {"cell_type": "code", "source": "x", "outputs": list(outputs), "metadata": meta}
+
+
+MD = {"cell_type": "markdown", "source": "# t", "metadata": {}}
+FAILED, PASSED = {"rc": 1, "timed_out": False}, {"rc": 0, "timed_out": False}
+
+
+def test_notebook_verdicts():
+    error = {
+        "output_type": "error",
+        "ename": "AssertionError",
+        "evalue": "first\n\x1b[31mthe last line\x1b[0m",
+    }
+    assert tm.notebook_verdict(FAILED, "", _nb([MD, _code(), MD, _code([error])])) == {
+        "status": "fail",
+        "cell": 3,
+        "error": "AssertionError: the last line",
+        "version_specific": False,
+    }
+    tagged = tm.notebook_verdict(FAILED, "", _nb([MD, _code([error], tags=[tm.VERSION_SPECIFIC])]))
+    assert tagged["version_specific"] and tagged["cell"] == 1
+    hang = {
+        "output_type": "error",
+        "ename": "JobHungError",
+        "evalue": "timed out after 120 s; stuck: rank 0.\n"
+        "  rank 0 waits in init_process_group\nEvery rank was killed.",
+    }
+    assert tm.notebook_verdict(FAILED, "", _nb([_code(), _code([hang])])) == {
+        "status": "hang",
+        "cell": 1,
+        "error": "timed out after 120 s; stuck: rank 0.",
+        "version_specific": False,
+    }
+    crash = {
+        "output_type": "error",
+        "ename": "JobFailedError",
+        "evalue": "rank 1 raised AttributeError (exit "
+        "code 1).\n--- rank 1 stderr (last traceback) ---\nTraceback\nAttributeError: no record_event",
+    }
+    assert (
+        tm.notebook_verdict(FAILED, "", _nb([_code([crash])]))["error"]
+        == "rank 1: AttributeError: no record_event"
+    )
+    log = "CellTimeoutError: A cell timed out while it was being executed, after 300 seconds"
+    assert tm.notebook_verdict(FAILED, log, _nb([_code(), MD, _code(replied=False)])) == {
+        "status": "hang",
+        "cell": 2,
+        "error": "no answer within 300 s",
+    }
+    assert tm.notebook_verdict({"rc": None, "timed_out": True}, "", None)["status"] == "hang"
+    assert tm.notebook_verdict(PASSED, "", None) == {"status": "pass"}
+
+
+def _row(torch_version, tv, notebooks=None, cases=None, date="2026-12-01"):
+    row = {
+        "minor": ".".join(torch_version.split(".")[:2]),
+        "torch": torch_version,
+        "torchvision": tv,
+        "date": date,
+    }
+    if notebooks is not None:
+        row["notebooks"] = {"date": date, "results": notebooks}
+    if cases is not None:
+        row["scripts"] = {"date": date, "cases": cases}
+    return row
+
+
+def test_the_table_has_one_dated_row_per_version_the_version_first():
+    crash = {
+        "failed": True,
+        "raised": ["AttributeError"],
+        "timed_out": False,
+        "stuck": [],
+        "records": [],
+        "error": "JobFailedError: rank 0 raised AttributeError (exit code 1).\nAttributeError: a | b",
+    }
+    rows = [
+        _row(
+            "2.6.0",
+            "0.21.0",
+            {
+                "notebooks/00_start_here.ipynb": {"status": "pass"},
+                "notebooks/05_launching.ipynb": {"status": "hang", "cell": 14, "error": "timed"},
+            },
+            {"00_hello": _case(crash), "00_crash": _case(crash)},
+        ),
+        _row(
+            "2.14.1",
+            "0.29.1",
+            {"notebooks/00_start_here.ipynb": {"status": "pass"}},
+            {"00_hello": _case(OK), "00_crash": _case(crash)},
+        ),
+        {
+            "minor": "2.15",
+            "torch": None,
+            "torchvision": None,
+            "date": "2026-12-02",
+            "why": "no torchvision 0.30.x",
+        },
+    ]
+    lines = tm.render_table(rows, PINNED).splitlines()
+    assert lines[0] == "| torch | torchvision | date | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
+    body = [ln for ln in lines[2:] if ln.startswith("| ")]
+    assert [ln.split(" | ")[0] for ln in body] == ["| 2.6.0", "| 2.14.1 (pinned)", "| 2.15"]
+    assert body[0].startswith("| 2.6.0 | 0.21.0 | 2026-12-01 | 1/2: `00_hello` fails [1] | pass | not run |")
+    assert "| hangs in cell 14 [2] |" in body[0]
+    assert body[1].startswith("| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | 2/2 | pass |")
+    assert body[2].startswith("| 2.15 | none | 2026-12-02 | not run: no torchvision 0.30.x |")
+    assert "1. 2.6.0, 00_hello: rank 0: AttributeError: a \\| b" in lines
+    assert "2. 2.6.0, 05: timed" in lines
+
+
+def test_write_readme_replaces_only_between_the_markers(tmp_path):
+    original = (REPO / "README.md").read_text()
+    before, rest = original.split(tm.MARKERS[0], 1)
+    after = rest.split(tm.MARKERS[1], 1)[1]
+    text = tm.replace_between_markers(original, "new table\n")
+    assert text == before + tm.MARKERS[0] + "\nnew table\n" + tm.MARKERS[1] + after
+    assert (
+        tm.replace_between_markers(text, "again\n")
+        == before + tm.MARKERS[0] + "\nagain\n" + tm.MARKERS[1] + after
+    )
+    with pytest.raises(ValueError):
+        tm.replace_between_markers("no markers\n", "x\n")
+
+
+def test_store_keeps_the_parts_a_later_run_did_not_redo(tmp_path):
+    tm.store(_row("2.6.0", "0.21.0", cases={"00_hello": _case(OK), "08_train": _case(OK)}), tmp_path)
+    tm.store(
+        _row("2.6.0", "0.21.0", notebooks={"notebooks/00_start_here.ipynb": {"status": "pass"}}), tmp_path
+    )
+    again = _row("2.6.0", "0.21.0", cases={"08_train": _case({"failed": True})})
+    again["scripts"]["only"] = "08_"
+    tm.store(again, tmp_path)
+    (row,) = tm.load_results(tmp_path)
+    assert sorted(row["scripts"]["cases"]) == ["00_hello", "08_train"] and row["notebooks"]["results"]
+    assert row["scripts"]["cases"]["08_train"]["cold"] == {"failed": True}
+    tm.store(_row("2.6.1", "0.21.1", notebooks={}), tmp_path)  # another pair for the same minor starts afresh
+    (row,) = tm.load_results(tmp_path)
+    assert row["torch"] == "2.6.1" and "scripts" not in row
+
+
+def test_run_child_kills_the_whole_tree_on_timeout(tmp_path):
+    """A child that starts a grandchild in a session of its own (as a Jupyter kernel does) and then hangs:
+    both are gone when run_child returns, and the child ran at a lower priority."""
+    pidfile = tmp_path / "pids"
+    (tmp_path / "hang.py").write_text(
+        "import os, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                     start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}} {{g.pid}} {{os.nice(0)}}')\n"
+        "time.sleep(600)\n"
+    )
+    runner = (
+        "import os, sys, pathlib; sys.path.insert(0, sys.argv[1]); import torch_matrix as tm; "
+        "tm.become_subreaper(); p = pathlib.Path(sys.argv[3]); "
+        "r = tm.run_child([sys.executable, sys.argv[2]], log=p / 'log', timeout=5, cwd=p, env=os.environ); "
+        "print(r['timed_out'])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", runner, str(REPO / "tools"), str(tmp_path / "hang.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "True", done.stderr
+    child, grandchild, nice = (int(x) for x in pidfile.read_text().split())
+    assert nice >= 10
+    for pid in (child, grandchild):
+        state = (
+            Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if Path(f"/proc/{pid}").exists()
+            else "gone"
+        )
+        assert state in ("gone", "Z"), f"process {pid} outlived run_child"
+    assert "killed after 5 s" in (tmp_path / "log").read_text()
+
+
+def test_every_case_of_warm_fidelity_has_its_own_key():
+    tree = ast.parse((REPO / "benchmarks" / "warm_fidelity.py").read_text())
+    cases = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CASES"
+    )
+    keys = [tm.case_key(script, args) for script, args, _, _ in cases]
+    assert len(set(keys)) == len(keys), keys
+    assert {case for case, *_ in tm.NAMED} <= set(keys), "a named difference for a case that does not exist"
+
+
+def test_ci_runs_every_script_on_the_floor():
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "tools/torch_matrix.py --floor --check" in ci, "CI must run the scripts on the floor version"
+    assert ci.index("--floor --check") > ci.index('bash -c "$cmd"'), (
+        "after the README test command, with .venv"
+    )
+
+
+def test_a_warm_only_reference_is_compared_with_both_launches():
+    """--check runs the pinned version's launches warm only: the floor's cold and warm launches are compared
+    with that one launch."""
+    reference = {"warm": OK, "seconds": {}}
+    assert tm.script_verdict("00_hello", _case(OK), reference, (2, 8)) == ("pass", "")
+    changed = dict(OK, records=[{"rank": 0, "loss": 0.5, "warned": True}])
+    assert tm.script_verdict("00_hello", _case(changed), reference, (2, 8))[0] == "differs"
+    assert tm.script_verdict("00_hello", {"warm": OK}, None, (2, 14)) == ("pass", "")  # the reference itself

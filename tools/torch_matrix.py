@@ -1,0 +1,957 @@
+"""Run the series on other torch releases: a cached environment per minor version, a table of what breaks.
+
+    python tools/torch_matrix.py [2.M ...] [--floor] [--notebooks [--solutions]] [--only NN ...] [--check]
+                                 [--keep-envs] [--save-sources] [--write-readme]
+    python tools/torch_matrix.py --table [--write-readme]
+
+Versions: the ones named, ``--floor`` (the floor pyproject.toml declares, ``torch>=2.M``), or by default
+every minor release from the floor to the newest on the package index. Each gets its newest patch release that
+has a matching torchvision (torch 2.M pairs with torchvision 0.(M+15), and pip checks torchvision's own pin on
+torch); a release without one gets a row that says so. The pinned pair (constraints.txt) runs in this
+interpreter's own environment where that has it, otherwise like the others.
+
+For each version, an environment ``.cache/torch-matrix/envs/torch-X-tvY/``: the project installed with
+``pip install -e`` (so pip checks pyproject.toml's floor too), torch and torchvision held to the pair, pip's
+download cache off (about 6 GB each, CUDA libraries included). Only the floor's environment stays on disk,
+unless ``--keep-envs``. Then, in a fresh copy of the working tree (the files git tracks or does not ignore):
+
+1. the scripts (unless ``--no-scripts``): every case of ``benchmarks/warm_fidelity.py``, cold and warm,
+   launched as the notebooks launch them. A case passes when warm and cold agree and both report what the
+   pinned version reports: records equal, floats within a relative FLOAT_RTOL; where only floats differ by
+   more it says so; where torch itself behaves otherwise the difference must be one NAMED below, or it fails.
+2. ``--notebooks``: each notebook under nbmake, one at a time; a failure is reported with its cell's index
+   (0-based, markdown cells included, as in the .ipynb file) and its error's last line, a cell that does not
+   answer within ``--cell-timeout`` as a hang. Cells tagged ``version-specific`` assert a behaviour that
+   differs between versions (their text says which); a failure there is reported as such.
+
+Results: ``.cache/torch-matrix/results/torch-2.M.json`` (a rerun of some notebooks or scripts keeps the rest);
+the table goes to stdout and, with ``--write-readme``, into README.md and README.zh-CN.md between
+``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs with ``--floor``) runs the
+pinned version's scripts as well, as the reference, and exits 1 unless every case passes on every version run.
+
+Why a script of our own and not nox: nox would make and reuse the environments (about 30 lines here), but not
+pair torchvision with torch, limit a child's time, kill what a hung notebook leaves behind, remove 6 GB
+environments or compare the versions' records, which is the rest of this file. Standard library only: the
+children run in each environment's own Python. Every child runs at nice 10 in a session of its own, and this
+process is their subreaper, so that nothing they start outlives them (a timeout kills the whole tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "torch-matrix"
+ENVS, RESULTS, LOGS, SRC, SOURCES = (CACHE / d for d in ("envs", "results", "logs", "src", "sources"))
+MARKERS = ("<!-- torch-matrix -->", "<!-- /torch-matrix -->")
+READMES = ("README.md", "README.zh-CN.md")
+TV_OFFSET = 15  # torch 2.M pairs with torchvision 0.(M+15): 2.4 with 0.19, 2.14 with 0.29
+VERSION_SPECIFIC = "version-specific"  # the tag of a notebook cell that asserts what differs between versions
+FLOAT_RTOL, FLOAT_ATOL = (
+    1e-4,
+    1e-5,
+)  # rounding errors the scripts report (a max_abs_diff of 6e-6) vary by build
+LAUNCH_NOISE = [
+    "records[*].tcp_opened"
+]  # the ports of 05_launch's connections: the OS picks new ones every launch
+OK = ("pass", "pass≈", "floats differ", "named")  # the script verdicts --check accepts
+
+# Where torch itself behaves differently and the script runs all the same: (case, first and last minor
+# version, the paths of the records that differ (a prefix; [*] for any index), what). Nothing else may.
+NAMED = [
+    (
+        "04_ddp",
+        (2, 8),
+        (2, 12),
+        ["records[*].broadcast_buffers=False", "records[*].forward_sync_buffers=False"],
+        "DDP's forward_sync_buffers is new in torch 2.13: the script reports broadcast_buffers=False instead",
+    ),
+]
+
+
+# ---- versions ----------------------------------------------------------------------------------------------
+
+
+def minor_of(version: str) -> tuple[int, int]:
+    """'2.13.0+cpu' -> (2, 13)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def label(minor: tuple[int, int]) -> str:
+    return f"{minor[0]}.{minor[1]}"
+
+
+def declared_floor(pyproject: Path = ROOT / "pyproject.toml") -> tuple[int, int]:
+    """The torch minor version pyproject.toml's ``torch>=2.M`` declares."""
+    for req in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        found = re.fullmatch(r"torch\s*>=\s*(\d+\.\d+)(\.\d+)?", req.strip())
+        if found:
+            return minor_of(found[1])
+    raise ValueError(f"{pyproject} declares no torch>=2.M")
+
+
+def pinned_pair() -> dict[str, str]:
+    pins = dict(
+        re.findall(r"^(torch|torchvision)==(\S+)", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
+    )
+    return {"torch": pins["torch"], "torchvision": pins["torchvision"]}
+
+
+def _pip_env(constraints: Path | None = None) -> dict[str, str]:
+    """This machine's pip configuration (index, certificates, find-links), with our constraints in place of
+    any configured ones (an environment variable overrides pip's configuration files), no download cache."""
+    if constraints is None:
+        constraints = CACHE / "no-constraints.txt"
+        constraints.parent.mkdir(parents=True, exist_ok=True)
+        constraints.write_text("")
+    return dict(
+        os.environ, PIP_CONSTRAINT=str(constraints), PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1"
+    )
+
+
+def index_versions(name: str) -> list[str]:
+    """The versions ``pip index versions NAME`` lists, newest first, local builds (``+cpu``) included."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", name],
+        capture_output=True,
+        text=True,
+        env=_pip_env(),
+        timeout=300,
+        check=False,
+    ).stdout
+    for line in out.splitlines():
+        if line.startswith("Available versions:"):
+            return [v.strip() for v in line.split(":", 1)[1].split(",") if v.strip()]
+    raise RuntimeError(f"pip lists no versions of {name}:\n{out}")
+
+
+def newest_minor(versions: Sequence[str]) -> tuple[int, int]:
+    return max(minor_of(v) for v in versions if "+" not in v)
+
+
+def resolve(minor: tuple[int, int], torch_versions: Sequence[str]) -> dict[str, Any]:
+    """The pair pip picks for ``torch==2.M.*`` with ``torchvision==0.(M+15).*`` (metadata only, nothing
+    installed), local builds such as find-links' 2.13.0+cpu left out: {"minor", "torch", "torchvision",
+    "exclude", "why"}."""
+    exclude = [v for v in torch_versions if "+" in v and minor_of(v) == minor]
+    pair = {"minor": label(minor), "torch": None, "torchvision": None, "exclude": exclude, "why": ""}
+    constraints = CACHE / f"resolve-{label(minor)}.txt"
+    constraints.parent.mkdir(parents=True, exist_ok=True)
+    constraints.write_text("".join(f"torch!={v}\n" for v in exclude))
+    tv = f"0.{minor[1] + TV_OFFSET}"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            "-",
+            f"torch=={label(minor)}.*",
+            f"torchvision=={tv}.*",
+        ],
+        capture_output=True,
+        text=True,
+        env=_pip_env(constraints),
+        timeout=900,
+        check=False,
+    )
+    if done.returncode:
+        last = [ln for ln in done.stderr.splitlines() if ln.strip()][-1:] or ["pip failed"]
+        return {
+            **pair,
+            "why": f"no torchvision {tv}.x installs with torch {label(minor)} ({last[0].strip()})",
+        }
+    found = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(done.stdout)["install"]
+    }
+    return {**pair, "torch": found["torch"], "torchvision": found["torchvision"]}
+
+
+# ---- child processes: low priority, a session of their own, nothing outlives them --------------------------
+
+
+def become_subreaper() -> None:
+    """Orphans of our children (a Jupyter kernel and torchrun's agents start sessions of their own) re-parent
+    to this process, not to init, so that they can be found and killed. Linux only; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def descendants() -> list[int]:
+    """Every live process below this one (zombies left out)."""
+    kids: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != b"Z":
+            kids.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _reap() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def _describe(pid: int) -> str:
+    try:
+        return (
+            f"{pid}: "
+            + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        )
+    except OSError:
+        return str(pid)
+
+
+def kill_descendants() -> list[str]:
+    """SIGKILL every process below this one (one child runs at a time); returns the ones killed, described."""
+    killed: list[str] = []
+    for _ in range(10):
+        alive = descendants()
+        if not alive:
+            break
+        for pid in alive:
+            killed.append(_describe(pid))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+        _reap()
+    return sorted(set(killed))
+
+
+def run_child(
+    cmd: Sequence[Any], *, log: Path, timeout: float, cwd: Path, env: Mapping[str, str]
+) -> dict[str, Any]:
+    """Run ``cmd`` at nice 10 in its own session, its output to ``log``; when it ends or its time is up, kill
+    whatever it left running. {"rc", "timed_out", "seconds", "leftovers"}: leftovers are processes still
+    alive 15 s after the child ended by itself (a launch's ranks end when their lifeline closes: a moment)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        out.write(f"$ {' '.join(map(str, cmd))}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(
+            list(map(str, cmd)),
+            cwd=cwd,
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=lambda: os.nice(10),
+        )
+        try:
+            rc, timed_out = proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            rc, timed_out = None, True
+        except BaseException:  # an interrupt: nothing of ours may go on running
+            kill_descendants()
+            raise
+        deadline = time.monotonic() + (0 if timed_out else 15)
+        while descendants() and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.5)
+        leftovers = kill_descendants()
+        if timed_out:
+            out.write(f"\n[torch_matrix] killed after {timeout:g} s\n".encode())
+    return {
+        "rc": rc,
+        "timed_out": timed_out,
+        "seconds": round(time.monotonic() - start, 1),
+        "leftovers": [] if timed_out else leftovers,
+    }
+
+
+# ---- environments and the copy of the series under test ----------------------------------------------------
+
+
+def env_name(pair: Mapping[str, Any]) -> str:
+    return f"torch-{pair['torch']}-tv{pair['torchvision']}"
+
+
+def own_python_has(pair: Mapping[str, Any]) -> bool:
+    """Whether this interpreter's environment has exactly ``pair`` (local builds such as +cu130 aside)."""
+    code = "import torch, torchvision; print(torch.__version__, torchvision.__version__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=False)
+    return [v.split("+")[0] for v in done.stdout.split()] == [pair["torch"], pair["torchvision"]]
+
+
+def ensure_env(pair: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The Python of an environment with ``pair`` and the project (made if missing), and what was done. Below
+    the floor, where pip would refuse the project, the project goes in without its dependencies, and its other
+    dependencies by name (to see why a release is below the floor)."""
+    path = ENVS / env_name(pair)
+    mark = path / "matrix-env.json"
+    python = path / "bin" / "python"
+    requirements = [f"torch=={pair['torch']}", f"torchvision=={pair['torchvision']}"]
+    wanted = {"requirements": requirements, "pyproject": (ROOT / "pyproject.toml").read_text()}
+    if mark.exists() and json.loads(mark.read_text()).get("wanted") == wanted:
+        return python, {"env": path.name, "reused": True}
+    shutil.rmtree(path, ignore_errors=True)
+    constraints = ENVS / f"{path.name}.constraints.txt"
+    constraints.parent.mkdir(parents=True, exist_ok=True)
+    constraints.write_text("\n".join(requirements + [f"torch!={v}" for v in pair.get("exclude", [])]) + "\n")
+    pip = [python, "-m", "pip", "install", "--quiet"]
+    steps = [
+        [sys.executable, "-m", "venv", path],
+        [*pip, *requirements, "-e", SRC, "pytest", "pytest-timeout"],
+    ]
+    if minor_of(pair["torch"]) < declared_floor():
+        others = [
+            r
+            for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+            if not re.match(r"torch(vision)?\b", r)
+        ]
+        steps[1:] = [
+            [*pip, *requirements, *others, "pytest", "pytest-timeout"],
+            [*pip, "--no-deps", "-e", SRC],
+        ]
+    start = time.monotonic()
+    for i, step in enumerate(steps):
+        log = LOGS / path.name / f"install.{i}.log"
+        if run_child(step, log=log, timeout=3600, cwd=ROOT, env=_pip_env(constraints))["rc"] != 0:
+            shutil.rmtree(path, ignore_errors=True)
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"installing {path.name} failed; see {log}:\n{tail}")
+    info = {"env": path.name, "reused": False, "install_seconds": round(time.monotonic() - start)}
+    mark.write_text(json.dumps({"wanted": wanted, **info}, indent=1))
+    return python, info
+
+
+def copy_worktree() -> dict[str, str]:
+    """A fresh copy of the series in SRC: the files git tracks or would track, as they are on disk."""
+    shutil.rmtree(SRC, ignore_errors=True)
+    git = ["git", "-C", str(ROOT)]
+    names = subprocess.run(
+        git + ["ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in map(os.fsdecode, filter(None, names)):
+        if (ROOT / name).is_file():
+            (SRC / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, SRC / name)
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+    return {"commit": commit, "edited": bool(dirty)}
+
+
+def save_sources(python: Path, version: str) -> None:
+    """Keep this version's torch/*.py under SOURCES/<version>/ (60 MB), to compare after the env is gone."""
+    site = subprocess.run(
+        [python, "-c", "import torch, os; print(os.path.dirname(torch.__file__))"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        check=True,
+    ).stdout.strip()
+    target = SOURCES / version / "torch"
+    if not target.exists():
+        shutil.copytree(
+            site,
+            target,
+            ignore=lambda d, names: [
+                n for n in names if not n.endswith(".py") and not (Path(d) / n).is_dir()
+            ],
+        )
+
+
+def child_env(python: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("VIRTUAL_ENV", None)
+    env["PATH"] = f"{python.parent}:{env.get('PATH', '')}"  # the environment's jupyter and torchrun first
+    return env
+
+
+# ---- the scripts -------------------------------------------------------------------------------------------
+
+
+def case_key(script: str, args: Sequence[str]) -> str:
+    """A short name for one case of warm_fidelity.CASES: the script, and --case's value where given."""
+    args = list(args)
+    extra = f" {args[args.index('--case') + 1]}" if "--case" in args else ""
+    return script.removesuffix(".py") + extra + (" --buggy" if "--buggy" in args else "")
+
+
+def run_scripts(python: Path, log_dir: Path, only: str, timeout: float, warm_only: bool = False) -> dict:
+    events = log_dir / "scripts.jsonl"
+    events.unlink(missing_ok=True)
+    cmd = [python, "benchmarks/warm_fidelity.py", "--json", events] + ([only] if only else [])
+    cmd += ["--warm-only"] if warm_only else []
+    done = run_child(cmd, log=log_dir / "scripts.log", timeout=timeout, cwd=SRC, env=child_env(python))
+    cases: dict[str, dict[str, Any]] = {}
+    for line in events.read_text().splitlines() if events.exists() else []:
+        event = json.loads(line)
+        case = cases.setdefault(case_key(event["script"], event["args"]), {"seconds": {}})
+        mode = "warm" if event["warm"] else "cold"
+        case[mode], case["seconds"][mode] = event["outcome"], event["seconds"]
+    if done["timed_out"]:  # the case that was running when time ran out, if any, is a hang
+        for case in cases.values():
+            case.setdefault("warm", {"failed": True, "unfinished": True})
+    return {
+        "warm_only": warm_only,
+        "date": today(),
+        "only": only,
+        "rc": done["rc"],
+        "timed_out": done["timed_out"],
+        "seconds": done["seconds"],
+        "leftovers": done["leftovers"],
+        "cases": cases,
+    }
+
+
+def differences(a: Any, b: Any, path: str = "", rtol: float = FLOAT_RTOL) -> tuple[list[str], float]:
+    """Where two outcomes differ beyond float rounding (paths such as records[3].loss), and the largest
+    relative difference between two floats. Ints, strings and bools must be equal (True is not 1 here)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        parts = [
+            ([f"{path}.{k}".lstrip(".")], 0.0)
+            if k not in a or k not in b
+            else differences(a[k], b[k], f"{path}.{k}", rtol)
+            for k in sorted(set(a) | set(b), key=str)
+        ]
+    elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path.lstrip('.') or 'value'} (length {len(a)} vs {len(b)})"], 0.0
+        parts = [differences(x, y, f"{path}[{i}]", rtol) for i, (x, y) in enumerate(zip(a, b, strict=True))]
+    elif (
+        isinstance(a, float)
+        and isinstance(b, (int, float))
+        and not isinstance(b, bool)
+        or isinstance(b, float)
+        and isinstance(a, int)
+        and not isinstance(a, bool)
+    ):
+        if a == b or (math.isnan(a) and math.isnan(b)):
+            return [], 0.0
+        rel = abs(a - b) / max(abs(a), abs(b))
+        return ([] if rel <= rtol or abs(a - b) <= FLOAT_ATOL else [path.lstrip(".")]), rel
+    else:
+        same = a == b and type(a) is type(b)
+        return ([] if same else [path.lstrip(".") or "value"]), 0.0
+    return [p for ps, _ in parts for p in ps], max((w for _, w in parts), default=0.0)
+
+
+def _pattern(path: str) -> str:
+    return re.sub(r"\[\d+\]", "[*]", path).split(" (length")[0]
+
+
+def _covered(path: str, prefixes: Sequence[str]) -> bool:
+    return any(_pattern(path) == p or _pattern(path).startswith((p + ".", p + "[")) for p in prefixes)
+
+
+def _core(outcome: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What is compared: not the error's text, which names processes and ports; of a failed launch, the
+    distinct records, whoever printed them (a rank stopped while its peer fails may not print its own)."""
+    core = {k: v for k, v in (outcome or {}).items() if k not in ("error", "launcher_error")}
+    if core.get("failed") and "records" in core:
+        distinct = {
+            json.dumps({k: v for k, v in r.items() if k != "rank"}, sort_keys=True) for r in core["records"]
+        }
+        core["records"] = [json.loads(r) for r in sorted(distinct)]
+    return core
+
+
+def error_line(outcome: Mapping[str, Any]) -> str:
+    """How a launch failed, in one line: the blamed rank's exception (its traceback's last line) or a hang."""
+    if outcome.get("unfinished"):
+        return "the run's time ran out during this launch"
+    if outcome.get("launcher_error"):
+        return "launcher: " + outcome["launcher_error"].splitlines()[0][:200]
+    lines = [ln.strip() for ln in outcome.get("error", "").splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    first = (
+        lines[0]
+        .removeprefix("JobHungError: ")
+        .removeprefix("JobFailedError: ")
+        .removeprefix("TorchrunError: ")
+    )
+    if outcome.get("timed_out") or len(lines) == 1:
+        return first[:200]
+    found = re.match(r"rank (\d+) raised ", first)
+    return (f"rank {found[1]}: {lines[-1]}" if found else f"{first.rstrip('.:')}: {lines[-1]}")[:240]
+
+
+def named_for(key: str, minor: tuple[int, int]) -> list[tuple[int, list[str], str]]:
+    return [
+        (i, paths, why)
+        for i, (case, first, last, paths, why) in enumerate(NAMED, 1)
+        if case == key and first <= minor <= last
+    ]
+
+
+def script_verdict(
+    key: str, case: Mapping[str, Any], reference: Mapping[str, Any] | None, minor: tuple[int, int]
+) -> tuple[str, str]:
+    """(verdict, one-line detail) of one case on one version, against the pinned version's (None: this is the
+    pinned row, compared warm against cold only). Verdicts: pass, pass≈, floats differ, named, differs, fails,
+    hangs, warm≠cold, not run."""
+    cold, warm = (
+        case.get("cold"),
+        case.get("warm"),
+    )  # a --warm-only run (the reference in --check) has no cold
+    if warm is None:
+        return "not run", ""
+    if (cold or {}).get("unfinished") or warm.get("unfinished"):
+        return "hangs", "the run's time ran out during this case"
+    noise = LAUNCH_NOISE
+    named = named_for(key, minor) if reference else []
+    allowed = noise + [p for _, paths, _ in named for p in paths]
+    worst, notes, verdict = 0.0, [], "pass"
+    ref = reference and (reference.get("cold") or reference.get("warm"))
+    for mine, theirs, what in ((cold or warm, ref, "ref"), (warm, cold, "cold")):
+        if theirs is None:
+            continue
+        paths, rel = differences(_core(mine), _core(theirs))
+        worst = max(worst, rel)
+        paths = [p for p in paths if not _covered(p, noise)]
+        if not paths:
+            continue
+        if what == "cold":
+            return (
+                "warm≠cold",
+                f"warm differs from cold at {', '.join(paths[:4])}: {error_line(warm)}".rstrip(": "),
+            )
+        if all(_covered(p, allowed) for p in paths):
+            verdict = "named"
+            notes.append(" ".join(f"[N{i}]" for i, _, _ in named))
+            continue
+        if mine.get("failed") and not theirs.get("failed"):
+            return ("hangs" if mine.get("timed_out") else "fails"), error_line(mine)
+        exact = [
+            p for p in differences(_core(mine), _core(theirs), rtol=math.inf)[0] if not _covered(p, allowed)
+        ]
+        if exact:
+            return "differs", f"differs from the pinned version at {', '.join(exact[:4])}" + (
+                f" (+{len(exact) - 4} more)" if len(exact) > 4 else ""
+            ) + (f": {error_line(mine)}" if mine.get("failed") else "")
+        verdict = "floats differ"
+        notes.append(
+            f"floats differ by up to a relative {worst:.1e} at {', '.join(paths[:3])}"
+            + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "")
+        )
+    if verdict == "pass" and worst:
+        verdict, notes = "pass≈", [f"floats within a relative {worst:.1e}"]
+    return verdict, "; ".join(notes)
+
+
+# ---- the notebooks -----------------------------------------------------------------------------------------
+
+
+def notebook_paths(src: Path, solutions: bool, only: Sequence[str]) -> list[str]:
+    paths = sorted(p.relative_to(src).as_posix() for p in (src / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    if solutions:
+        paths += sorted(p.relative_to(src).as_posix() for p in (src / "notebooks/solutions").glob("*.ipynb"))
+    return [p for p in paths if not only or any(Path(p).name.startswith(o) for o in only)]
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+
+
+def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What one nbmake run of one notebook says: {"status": pass | fail | hang | error, "cell", "error",
+    "version_specific"}; ``nb`` is the executed notebook (None if nbmake wrote none)."""
+    cells = (nb or {}).get("cells", [])
+    unanswered = next(
+        (
+            i
+            for i, c in enumerate(cells)
+            if c.get("cell_type") == "code"
+            and "shell.execute_reply" not in c.get("metadata", {}).get("execution", {})
+        ),
+        None,
+    )
+    if done["timed_out"] or "CellTimeoutError" in log_text:
+        limit = re.search(r"after (\d+) seconds", log_text)
+        why = (
+            f"no answer within {limit[1]} s" if limit and not done["timed_out"] else "the run's time ran out"
+        )
+        return {"status": "hang", "cell": unanswered, "error": why}
+    if done["rc"] == 0:
+        return {"status": "pass"}
+    for i in reversed(range(len(cells))):
+        for output in cells[i].get("outputs", []) if cells[i].get("cell_type") == "code" else []:
+            if output.get("output_type") != "error":
+                continue
+            lines = [
+                ln.strip() for ln in _plain(str(output.get("evalue", ""))).splitlines() if ln.strip()
+            ] or [""]
+            hang = output.get("ename") == "JobHungError" or re.match(r"(timed out after|stalled)", lines[0])
+            if output.get("ename", "").endswith(("TorchrunError", "JobFailedError", "JobHungError")):
+                line = error_line({"error": "\n".join(lines), "timed_out": bool(hang)})
+            else:
+                line = f"{output.get('ename', '')}: {lines[-1]}".rstrip(": ")
+            tags = cells[i].get("metadata", {}).get("tags", [])
+            return {
+                "status": "hang" if hang else "fail",
+                "cell": i,
+                "error": line[:300],
+                "version_specific": VERSION_SPECIFIC in tags,
+            }
+    tail = [ln for ln in _plain(log_text).splitlines() if ln.strip()][-2:]
+    return {"status": "error", "cell": None, "error": " / ".join(tail)[-240:]}
+
+
+def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeout: int, limit: float) -> dict:
+    results = {}
+    for rel in paths:
+        log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
+        cmd = [
+            python,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-o",
+            "timeout=0",
+            "--nbmake",
+            f"--nbmake-timeout={cell_timeout}",
+            "--overwrite",
+            rel,
+        ]
+        before = (SRC / rel).read_text()
+        done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
+        after = (SRC / rel).read_text()
+        executed = json.loads(after) if after != before else None
+        if executed is not None:
+            shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
+            (SRC / rel).write_text(
+                before
+            )  # the next notebook (a solutions notebook reads its own) sees the original
+        verdict = {
+            **notebook_verdict(done, log.read_text(errors="replace"), executed),
+            "seconds": done["seconds"],
+        }
+        if done["leftovers"]:
+            verdict["leftovers"] = done["leftovers"]
+        results[rel] = verdict
+        print(
+            f"    {rel}: {verdict['status']}"
+            + (
+                f" in cell {verdict.get('cell')}: {verdict.get('error')}"
+                if verdict["status"] != "pass"
+                else ""
+            )
+            + f" ({done['seconds']:.0f} s)",
+            flush=True,
+        )
+    return {"date": today(), "cell_timeout": cell_timeout, "results": results}
+
+
+# ---- results and the table ---------------------------------------------------------------------------------
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def store(result: Mapping[str, Any], folder: Path | None = None) -> Path:
+    """Write one version's result, keeping what an earlier run of the same pair had and this one did not."""
+    path = (folder or RESULTS) / f"torch-{result['minor']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    if (merged.get("torch"), merged.get("torchvision")) != (result.get("torch"), result.get("torchvision")):
+        merged = {}
+    for key, value in result.items():
+        old = merged.get(key)
+        if key == "notebooks" and old:
+            value = {**value, "results": {**old["results"], **value["results"]}}
+        if key == "scripts" and old and value.get("only"):
+            value = {**value, "cases": {**old["cases"], **value["cases"]}}
+        merged[key] = value
+    path.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    return path
+
+
+def load_results(folder: Path | None = None) -> list[dict[str, Any]]:
+    folder = folder or RESULTS
+    rows = [json.loads(p.read_text()) for p in folder.glob("torch-*.json")] if folder.is_dir() else []
+    return sorted(rows, key=lambda r: minor_of(r["minor"]))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+NOTEBOOK_COLUMNS = [f"{n:02d}" for n in range(9)] + ["06 sol."]
+
+
+def _notebook_column(rel: str) -> str:
+    return Path(rel).name[:2] + (" sol." if "/solutions/" in rel else "")
+
+
+def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -> list[str]:
+    """Every script case on every row that is not one of OK: what --check fails on."""
+    reference = next((r for r in rows if r.get("torch") == pinned["torch"]), None)
+    ref_cases = (reference or {}).get("scripts", {}).get("cases", {})
+    bad = []
+    for row in rows:
+        is_ref = row is reference
+        for key, case in (row.get("scripts") or {}).get("cases", {}).items():
+            if not is_ref and key not in ref_cases:
+                bad.append(f"{row['torch']} {key}: no pinned run to compare with")
+                continue
+            verdict, detail = script_verdict(
+                key, case, None if is_ref else ref_cases[key], minor_of(row["minor"])
+            )
+            if verdict not in OK:
+                bad.append(f"{row['torch']} {key}: {verdict} ({detail})")
+    return bad
+
+
+def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -> str:
+    """One row per torch minor version, the version first: torchvision, date, the scripts, each notebook."""
+    reference = next((r for r in rows if r.get("torch") == pinned["torch"] and r.get("scripts")), None)
+    ref_cases = (reference or {}).get("scripts", {}).get("cases", {})
+    notes: list[str] = []
+
+    def note(text: str) -> str:
+        if text not in notes:
+            notes.append(text)
+        return f"[{notes.index(text) + 1}]"
+
+    lines = [
+        "| torch | torchvision | date | scripts | " + " | ".join(NOTEBOOK_COLUMNS) + " |",
+        "|---" * (4 + len(NOTEBOOK_COLUMNS)) + "|",
+    ]
+    used_named: set[int] = set()
+    for row in rows:
+        version = (row.get("torch") or row["minor"]) + (
+            " (pinned)" if row.get("torch") == pinned["torch"] else ""
+        )
+        dates = sorted({part["date"] for part in (row.get("scripts"), row.get("notebooks")) if part})
+        if row.get("torchvision") is None:
+            lines.append(
+                f"| {version} | none | {row.get('date', '')} | not run: {_cell(row.get('why', ''))} |"
+                + " |" * len(NOTEBOOK_COLUMNS)
+            )
+            continue
+        cases = (row.get("scripts") or {}).get("cases", {})
+        passed, remarks = 0, []
+        for key, case in cases.items():
+            verdict, detail = script_verdict(
+                key, case, None if row is reference else ref_cases.get(key), minor_of(row["minor"])
+            )
+            if row is not reference and key not in ref_cases:
+                verdict, detail = "not compared", "no pinned run of this case"
+            passed += verdict in OK
+            if verdict == "named":
+                used_named |= {int(n) for n in re.findall(r"\[N(\d+)\]", detail)}
+                remarks.append(f"`{key}` {detail}")
+            elif verdict not in ("pass", "pass≈"):
+                remarks.append(f"`{key}` {verdict} " + note(f"{row['torch']}, {key}: {detail}"))
+        scripts = (
+            f"{passed}/{len(cases)}" + (f": {', '.join(remarks)}" if remarks else "") if cases else "not run"
+        )
+        nbs = (row.get("notebooks") or {}).get("results", {})
+        by_column = {_notebook_column(rel): v for rel, v in nbs.items()}
+        cells = []
+        for column in NOTEBOOK_COLUMNS:
+            v = by_column.get(column)
+            if v is None:
+                cells.append("not run")
+            elif v["status"] == "pass":
+                cells.append("pass")
+            else:
+                what = {"fail": "fails", "hang": "hangs", "error": "error"}[v["status"]]
+                if v.get("version_specific"):
+                    what = "version-specific"
+                where = f" in cell {v['cell']}" if v.get("cell") is not None else ""
+                cells.append(f"{what}{where} " + note(f"{row['torch']}, {column}: {v.get('error', '')}"))
+        lines.append(
+            f"| {version} | {row['torchvision']} | {', '.join(dates)} | {_cell(scripts)} | "
+            + " | ".join(_cell(c) for c in cells)
+            + " |"
+        )
+    legend = [
+        f"[N{i}] `{case}`, torch {label(first)} to {label(last)}: {why}."
+        for i, (case, first, last, _, why) in enumerate(NAMED, 1)
+        if i in used_named
+    ]
+    text = "\n".join(lines) + "\n"
+    if legend or notes:
+        text += (
+            "\n"
+            + "\n".join(
+                [*(f"- {_cell(n)}" for n in legend), *(f"{i}. {_cell(n)}" for i, n in enumerate(notes, 1))]
+            )
+            + "\n"
+        )
+    return text
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with what lies between the two marker lines replaced by ``block`` (the markers stay)."""
+    start, end = MARKERS
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"no {start} ... {end} pair to write the table between")
+    return text[: i + len(start)] + "\n" + block.rstrip("\n") + "\n" + text[j:]
+
+
+# ---- the command -------------------------------------------------------------------------------------------
+
+
+def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[str, str]) -> None:
+    print(f"  {pair['minor']}: torch {pair['torch']} + torchvision {pair['torchvision']}", flush=True)
+    source = copy_worktree()
+    is_pinned = pair["torch"] == pinned["torch"]
+    if is_pinned and own_python_has(pair):
+        python, info = Path(sys.executable), {"env": "this interpreter's", "reused": True}
+    else:
+        python, info = ensure_env(pair)
+    print(
+        f"    environment {info['env']}: "
+        + ("reused" if info["reused"] else f"installed in {info['install_seconds']} s"),
+        flush=True,
+    )
+    if args.save_sources:
+        save_sources(python, pair["torch"])
+    log_dir = LOGS / env_name(pair)
+    result: dict[str, Any] = {**pair, "date": today(), "source": source}
+    if not args.no_scripts:
+        only = args.only[0] if len(args.only) == 1 else ""
+        warm_only = args.check and is_pinned  # the reference: its own warm and cold agree in every full run
+        s = result["scripts"] = run_scripts(python, log_dir, only, args.scripts_timeout, warm_only)
+        ran_out = " (time ran out)" if s["timed_out"] else ""
+        print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
+    if args.notebooks:
+        result["notebooks"] = run_notebooks(
+            python,
+            log_dir,
+            notebook_paths(SRC, args.solutions, args.only),
+            args.cell_timeout,
+            args.notebook_timeout,
+        )
+    store(result)
+    keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
+    if not keep and python.parent.parent.parent == ENVS:
+        shutil.rmtree(python.parent.parent, ignore_errors=True)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # run_child kills whatever is running on the way out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "versions", nargs="*", metavar="2.M", help="torch minor versions (default: floor to newest)"
+    )
+    parser.add_argument("--floor", action="store_true", help="the floor pyproject.toml declares")
+    parser.add_argument("--notebooks", action="store_true", help="the notebooks too, under nbmake")
+    parser.add_argument("--no-scripts", action="store_true", help="with --notebooks: the notebooks only")
+    parser.add_argument(
+        "--solutions", action="store_true", help="with --notebooks: the solutions notebooks too"
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=[], metavar="NN", help="notebooks (one: scripts) named so"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="also run the pinned scripts; exit 1 on a failure"
+    )
+    parser.add_argument(
+        "--keep-envs", action="store_true", help="keep every environment (default: the floor's)"
+    )
+    parser.add_argument("--save-sources", action="store_true", help=f"keep torch/*.py under {SOURCES}")
+    parser.add_argument("--cell-timeout", type=int, default=300, help="seconds a notebook cell may take")
+    parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds a notebook may take")
+    parser.add_argument("--scripts-timeout", type=float, default=3600, help="seconds all scripts may take")
+    parser.add_argument("--table", action="store_true", help="only show (and write) the stored results")
+    parser.add_argument("--write-readme", action="store_true", help="write the table into both READMEs")
+    args = parser.parse_args(argv)
+    pinned = pinned_pair()
+    ran: list[str] = []
+    if not args.table:
+        become_subreaper()
+        signal.signal(signal.SIGTERM, _interrupted)
+        torches = index_versions("torch")
+        floor = declared_floor()
+        if args.floor:
+            minors = [floor]
+        elif args.versions:
+            minors = [minor_of(v) for v in args.versions]
+        else:
+            newest = newest_minor(torches)
+            minors = (
+                [(2, m) for m in range(floor[1], newest[1] + 1)] if newest[0] == 2 == floor[0] else [newest]
+            )
+        if args.check and minor_of(pinned["torch"]) not in minors:
+            minors.insert(0, minor_of(pinned["torch"]))  # the reference, from the same tree
+        print(f"torch_matrix: {', '.join(map(label, minors))}", flush=True)
+        for minor in minors:
+            pair = (
+                {"minor": label(minor), **pinned, "exclude": [], "why": ""}
+                if minor == minor_of(pinned["torch"])
+                else resolve(minor, torches)
+            )
+            ran.append(pair["minor"])
+            if pair["torchvision"] is None:
+                print(f"  {pair['minor']}: {pair['why']}", flush=True)
+                store({**pair, "date": today()})
+                continue
+            run_version(pair, args, pinned)
+    rows = [r for r in load_results() if minor_of(r["minor"]) >= declared_floor()]  # older: kept, not shown
+    table = render_table(rows, pinned)
+    print(table)
+    if args.write_readme:
+        for name in READMES:
+            (ROOT / name).write_text(replace_between_markers((ROOT / name).read_text(), table))
+        print(f"torch_matrix: wrote the table into {' and '.join(READMES)}")
+    if args.check:
+        bad = check_failures([r for r in rows if r["minor"] in ran], pinned)
+        print(
+            "\n".join(["torch_matrix --check: failed:", *bad])
+            if bad
+            else "torch_matrix --check: every case passed"
+        )
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
