@@ -75,7 +75,7 @@ def test_destroy_process_group_returns_while_a_worker_thread_frees_a_tensor(scri
     needed the GIL: each waited for the other. Scripts met it at their last line, at random:
     03_sync_batchnorm.py and 07_gallery.py hung there on torch 2.4 (gdb: the main thread in ~ProcessGroupGloo
     joining a gloo worker, which waited for the GIL in ~AsyncWork). This job frees a tensor in a worker thread
-    while rank 0 destroys its group: it hung on 2.4 and ends on 2.8, where pytorch#154976 releases the
+    while rank 0 destroys its group: it hung on 2.4 and 2.7 and ends on 2.8, where pytorch#154976 releases the
     GIL there."""
     result = torchrun(script(DESTROY_WHILE_IN_FLIGHT), nproc_per_node=2, live=False, timeout=120)
     assert sorted(r["rank"] for r in result.records() if r["destroyed"]) == [0, 1], result.records()

@@ -242,7 +242,9 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
         },
     ]
     lines = tm.render_table(rows, PINNED).splitlines()
-    assert lines[0] == "| torch | torchvision | date | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
+    assert (
+        lines[0] == "| torch | torchvision | date | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
+    )  # 00-08
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
     assert [ln.split(" | ")[0] for ln in body] == ["| 2.6.0", "| 2.14.1 (pinned)", "| 2.15"]
     assert body[0].startswith("| 2.6.0 | 0.21.0 | 2026-12-01 | 1/2: `00_hello` fails [1] | pass | not run |")
@@ -347,3 +349,15 @@ def test_a_warm_only_reference_is_compared_with_both_launches():
     changed = dict(OK, records=[{"rank": 0, "loss": 0.5, "warned": True}])
     assert tm.script_verdict("00_hello", _case(changed), reference, (2, 8))[0] == "differs"
     assert tm.script_verdict("00_hello", {"warm": OK}, None, (2, 14)) == ("pass", "")  # the reference itself
+
+
+def test_a_solutions_notebook_that_was_run_gets_a_column():
+    rows = [
+        _row(
+            "2.8.0",
+            "0.23.0",
+            {"notebooks/solutions/06_capstone_image_classifier_solutions.ipynb": {"status": "pass"}},
+        )
+    ]
+    lines = tm.render_table(rows, PINNED).splitlines()
+    assert lines[0].endswith("| 08 | 06 sol. |") and lines[2].endswith("| not run | pass |"), lines

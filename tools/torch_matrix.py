@@ -10,10 +10,11 @@ has a matching torchvision (torch 2.M pairs with torchvision 0.(M+15), and pip c
 torch); a release without one gets a row that says so. The pinned pair (constraints.txt) runs in this
 interpreter's own environment where that has it, otherwise like the others.
 
-For each version, an environment ``.cache/torch-matrix/envs/torch-X-tvY/``: the project installed with
-``pip install -e`` (so pip checks pyproject.toml's floor too), torch and torchvision held to the pair, pip's
-download cache off (about 6 GB each, CUDA libraries included). Only the floor's environment stays on disk,
-unless ``--keep-envs``. Then, in a fresh copy of the working tree (the files git tracks or does not ignore):
+For each version, an environment ``envs/torch-X-tvY/`` in the cache (``.cache/torch-matrix/`` in the clone,
+or ``$TORCH_MATRIX_CACHE``): the project installed with ``pip install -e`` (so pip checks pyproject.toml's
+floor too), torch and torchvision held to the pair, pip's download cache off (about 6 GB each, CUDA libraries
+included). Only the floor's environment stays on disk, unless ``--keep-envs``. Then, in a fresh copy of the
+working tree (the files git tracks or does not ignore):
 
 1. the scripts (unless ``--no-scripts``): every case of ``benchmarks/warm_fidelity.py``, cold and warm,
    launched as the notebooks launch them. A case passes when warm and cold agree and both report what the
@@ -56,7 +57,9 @@ from typing import Any
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / ".cache" / "torch-matrix"
+CACHE = Path(
+    os.environ.get("TORCH_MATRIX_CACHE") or ROOT / ".cache" / "torch-matrix"
+)  # CI keeps it per machine
 ENVS, RESULTS, LOGS, SRC, SOURCES = (CACHE / d for d in ("envs", "results", "logs", "src", "sources"))
 MARKERS = ("<!-- torch-matrix -->", "<!-- /torch-matrix -->")
 READMES = ("README.md", "README.zh-CN.md")
@@ -715,7 +718,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-NOTEBOOK_COLUMNS = [f"{n:02d}" for n in range(9)] + ["06 sol."]
+NOTEBOOK_COLUMNS = [f"{n:02d}" for n in range(9)]  # and a column per solutions notebook that was run
 
 
 def _notebook_column(rel: str) -> str:
@@ -752,9 +755,11 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
             notes.append(text)
         return f"[{notes.index(text) + 1}]"
 
+    ran = {_notebook_column(rel) for r in rows for rel in (r.get("notebooks") or {}).get("results", {})}
+    columns = NOTEBOOK_COLUMNS + sorted(ran - set(NOTEBOOK_COLUMNS))
     lines = [
-        "| torch | torchvision | date | scripts | " + " | ".join(NOTEBOOK_COLUMNS) + " |",
-        "|---" * (4 + len(NOTEBOOK_COLUMNS)) + "|",
+        "| torch | torchvision | date | scripts | " + " | ".join(columns) + " |",
+        "|---" * (4 + len(columns)) + "|",
     ]
     used_named: set[int] = set()
     for row in rows:
@@ -765,7 +770,7 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
         if row.get("torchvision") is None:
             lines.append(
                 f"| {version} | none | {row.get('date', '')} | not run: {_cell(row.get('why', ''))} |"
-                + " |" * len(NOTEBOOK_COLUMNS)
+                + " |" * len(columns)
             )
             continue
         cases = (row.get("scripts") or {}).get("cases", {})
@@ -788,7 +793,7 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
         nbs = (row.get("notebooks") or {}).get("results", {})
         by_column = {_notebook_column(rel): v for rel, v in nbs.items()}
         cells = []
-        for column in NOTEBOOK_COLUMNS:
+        for column in columns:
             v = by_column.get(column)
             if v is None:
                 cells.append("not run")
