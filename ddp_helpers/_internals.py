@@ -81,7 +81,7 @@ def fork_workers(torchrun_module) -> None:
 
     def config_without_cuda(args):
         # torchrun's config asks whether this node has as many GPUs as ranks (to bind NUMA nodes): through
-        # torch.cuda in torch 2.10 to 2.13, torch.accelerator since 2.14 (earlier releases do not ask). Either
+        # torch.cuda in torch 2.9 to 2.13, torch.accelerator since 2.14 (earlier releases do not ask). Either
         # asks the CUDA runtime, which marks every later fork of this agent as a bad fork, so that each rank
         # fails on its first CUDA call ("Cannot re-initialize CUDA in forked subprocess", even without a GPU).
         # Answer through NVML, which gives the same count without touching CUDA, while the config is built.

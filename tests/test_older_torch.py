@@ -87,7 +87,7 @@ import os, types
 import torch
 from ddp_helpers import _internals
 
-def config_from_args(args):  # what torchrun's config asks: torch.cuda (2.10-2.13), torch.accelerator (2.14)
+def config_from_args(args):  # what torchrun's config asks: torch.cuda (2.9-2.13), torch.accelerator (2.14)
     torch.cuda.is_available(), torch.cuda.device_count()
     if hasattr(torch, "accelerator"):
         torch.accelerator.is_available(), torch.accelerator.device_count()
