@@ -29,10 +29,9 @@ def _case(cold, warm=None):
 
 def test_versions_and_the_floor():
     assert tm.minor_of("2.13.0+cpu") == (2, 13) and tm.label((2, 4)) == "2.4"
-    assert tm.newest_minor(["2.15.0", "2.16.0+cpu", "2.14.1"]) == (
-        2,
-        15,
-    )  # a local build alone does not count
+    newest = tm.newest_minor(["2.15.0", "2.16.0+cpu", "2.14.1"])
+    assert newest == (2, 15), newest  # a local build alone does not count
+    assert tm.release("2.13.0+cpu") == (2, 13, 0) and tm.release("2.15.0") > tm.release("2.9.1")
     assert tm.pinned_pair() == PINNED
 
 
@@ -331,6 +330,34 @@ def test_every_case_of_warm_fidelity_has_its_own_key():
     keys = [tm.case_key(script, args) for script, args, _, _ in cases]
     assert len(set(keys)) == len(keys), keys
     assert {case for case, *_ in tm.NAMED} <= set(keys), "a named difference for a case that does not exist"
+
+
+def _table(readme: str) -> list[list[str]]:
+    text = (REPO / readme).read_text()
+    block = text.split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0]
+    rows = [ln for ln in block.splitlines() if ln.startswith("| ") and not ln.startswith("| torch |")]
+    return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in rows]
+
+
+def test_the_readme_table_covers_every_minor_release_from_the_floor():
+    """One row per minor release, the version first, from the floor pyproject.toml declares to the newest
+    one tried, none missing; each dated; the pinned release among them; both READMEs give the same table."""
+    rows = _table("README.md")
+    minors = [tm.minor_of(r[0]) for r in rows]
+    floor = tm.declared_floor()
+    assert minors[0] == floor, (
+        f"the table starts at {minors[0]}, the floor is {floor}: rerun tools/torch_matrix.py"
+    )
+    assert minors == [(2, m) for m in range(floor[1], minors[-1][1] + 1)], minors
+    assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2}(, \d{4}-\d{2}-\d{2})?", r[2]) for r in rows), [
+        r[2] for r in rows
+    ]
+    assert any(r[0] == f"{PINNED['torch']} (pinned)" for r in rows), [r[0] for r in rows]
+    en, zh = ((REPO / name).read_text() for name in tm.READMES)
+    block = en.split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0]
+    assert tm.MARKERS[0] + block + tm.MARKERS[1] in zh, (
+        "README.zh-CN.md must give the same torch-matrix table"
+    )
 
 
 def test_ci_runs_every_script_on_the_floor():

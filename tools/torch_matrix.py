@@ -144,6 +144,11 @@ def index_versions(name: str) -> list[str]:
     raise RuntimeError(f"pip lists no versions of {name}:\n{out}")
 
 
+def release(version: str) -> tuple[int, ...]:
+    """'2.13.0+cpu' -> (2, 13, 0)."""
+    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version)[0].split("."))
+
+
 def newest_minor(versions: Sequence[str]) -> tuple[int, int]:
     return max(minor_of(v) for v in versions if "+" not in v)
 
@@ -180,9 +185,13 @@ def resolve(minor: tuple[int, int], torch_versions: Sequence[str]) -> dict[str, 
     )
     if done.returncode:
         last = [ln for ln in done.stderr.splitlines() if ln.strip()][-1:] or ["pip failed"]
+        newest = max(
+            (v for v in torch_versions if "+" not in v and minor_of(v) == minor), key=release, default=None
+        )
         return {
             **pair,
-            "why": f"no torchvision {tv}.x installs with torch {label(minor)} ({last[0].strip()})",
+            "torch": newest,
+            "why": f"no torchvision {tv}.x to pair with it (pip: {last[0].strip().removeprefix('ERROR: ')})",
         }
     found = {
         item["metadata"]["name"].lower(): item["metadata"]["version"]
@@ -325,7 +334,12 @@ def ensure_env(pair: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
     mark = path / "matrix-env.json"
     python = path / "bin" / "python"
     requirements = [f"torch=={pair['torch']}", f"torchvision=={pair['torchvision']}"]
-    wanted = {"requirements": requirements, "pyproject": (ROOT / "pyproject.toml").read_text()}
+    others = [
+        r
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if not re.match(r"torch(vision)?\b", r)
+    ]
+    wanted = {"requirements": requirements, "others": others}  # the floor may move without a new install
     if mark.exists() and json.loads(mark.read_text()).get("wanted") == wanted:
         return python, {"env": path.name, "reused": True}
     shutil.rmtree(path, ignore_errors=True)
@@ -338,11 +352,6 @@ def ensure_env(pair: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
         [*pip, *requirements, "-e", SRC, "pytest", "pytest-timeout"],
     ]
     if minor_of(pair["torch"]) < declared_floor():
-        others = [
-            r
-            for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-            if not re.match(r"torch(vision)?\b", r)
-        ]
         steps[1:] = [
             [*pip, *requirements, *others, "pytest", "pytest-timeout"],
             [*pip, "--no-deps", "-e", SRC],
