@@ -168,7 +168,7 @@ def check_job(timeout: float) -> Check:
             hint = (
                 f"a busy machine may need more time: --timeout {max(2 * timeout, 600):g}; a firewall or VPN "
                 "may block loopback"
-                if e.timed_out
+                if e.hung
                 else "read the error; check GLOO_SOCKET_IFNAME, VPN, firewall"
             )
             return Check(name, "fail", how + (f" -- {err[-1][:300]}" if err else ""), hint)

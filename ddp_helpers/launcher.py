@@ -403,6 +403,10 @@ class _Launch:
     def hung_ranks(self) -> list[diagnose.RankRecord]:
         """Every rank's record for a hang, with a faulthandler dump of all its threads from each live rank."""
         self.poll()
+        for (
+            rank
+        ) in self.ranks:  # the dumps go to the error's .stacks, not the cell: the diagnosis comes first
+            rank.stderr.mute()
         stacks = _dump_stacks(self.ranks, self.poll)
         return [
             rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in self.ranks
@@ -654,6 +658,10 @@ class _Lines:
             self._file = None
         self._done = True
         return new
+
+    def mute(self) -> None:
+        """Keep the lines that arrive from now on, without echoing them."""
+        self.out = None
 
     def _emit(self, raw: list[bytes]) -> list[str]:
         new = [b.decode("utf-8", errors="replace").removesuffix("\r") for b in raw]
