@@ -247,6 +247,7 @@ def case_workers(rank: int, world_size: int, device: torch.device) -> None:
 def case_flight_recorder(rank: int, world_size: int, device: torch.device, out: str) -> None:
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))  # a short timeout for the demo
     value = torch.ones(1)
+    dist.barrier()  # the default group (30 minutes): both ranks begin the steps together, busy machine or not
     try:
         for step in range(3):
             if rank == 1 and step == 2:
