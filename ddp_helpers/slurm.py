@@ -324,7 +324,7 @@ def _run(job: _SlurmJob) -> SlurmResult:
                 state = slurm.poll()
                 if state in ENDED:
                     break
-                if state == "PENDING" and not pending_said:
+                if state == "PENDING" and slurm.reason not in (None, "None") and not pending_said:
                     print(f"ddp_helpers: job {slurm.id} waits in the queue ({slurm.reason})", flush=True)
                     pending_said = True
                 if watch is None and state not in ("PENDING", "CONFIGURING", None):
