@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +51,7 @@ STATE_INTERVAL = 0.5  # how often scontrol is asked for the job's state while it
 # Once a job is cancelled, SLURM signals its processes (SIGTERM, then SIGKILL KillWait seconds later, 30 by
 # default) and lists it in squeue until they are gone: this only bounds a failure of SLURM itself.
 CANCEL_WAIT = 300.0
+LEFT_WAIT = 60.0  # once squeue no longer lists a job, how long its processes here get to be reaped
 SCONTROL_TIMEOUT = 60.0  # one call of scontrol, squeue, sbatch or scancel: a bound for a dead slurmctld
 # The states a job ends in (slurm.h's job_states; anything else means it is pending, running or completing).
 ENDED = frozenset(
@@ -222,15 +224,7 @@ def _plan(
     submitted_script = batch_script(f"ddp-{stem}", program, run_dir=run_dir, **options)
     command = shlex.join(["sbatch", *sbatch_args, batch_name])
 
-    extra = {str(k): str(v) for k, v in (env or {}).items()}
-    job_env = {k: v for k, v in os.environ.items() if k not in protocol.LAUNCH_VARIABLES}
-    python_dir = os.path.dirname(sys.executable)  # the job's python3 and torchrun are this kernel's
-    job_env.update(extra)
-    job_env["PATH"] = os.pathsep.join(p for p in (python_dir, job_env.get("PATH")) if p)
-    job_env["PYTHONPATH"] = os.pathsep.join(p for p in (job_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-    job_env["PYTHONUNBUFFERED"] = "1"
-    if backend:
-        job_env["DDP_BACKEND"] = backend
+    job_env = job_environment({**(env or {}), **({"DDP_BACKEND": backend} if backend else {})})
     sbatch_argv = ["sbatch", "--parsable", *sbatch_args, os.path.join(run_dir, batch_name)]
     return _SlurmJob(
         script,
@@ -249,6 +243,19 @@ def _plan(
         timeout,
         stall_timeout,
     )
+
+
+def job_environment(env: Mapping[str, object] | None = None) -> dict[str, str]:
+    """The environment to submit a job with (sbatch passes it on to every node, ``--export=ALL``): this
+    process's, with ``env`` added, this Python's folder first on ``PATH`` (so the job's ``python3`` and
+    ``torchrun`` are this kernel's), ``ddp_helpers`` importable, and unbuffered output."""
+    job_env = {k: v for k, v in os.environ.items() if k not in protocol.LAUNCH_VARIABLES}
+    job_env.update({str(k): str(v) for k, v in (env or {}).items()})
+    python_dir = os.path.dirname(sys.executable)
+    job_env["PATH"] = os.pathsep.join(p for p in (python_dir, job_env.get("PATH")) if p)
+    job_env["PYTHONPATH"] = os.pathsep.join(p for p in (job_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
+    job_env["PYTHONUNBUFFERED"] = "1"
+    return job_env
 
 
 def batch_script(
@@ -455,8 +462,9 @@ def wait_until(condition: Callable[[], object], within: float) -> object:
 
 class SlurmJob:
     """One batch job: submit it, follow its state through ``scontrol show job`` (which needs no accounting
-    database), cancel it. Leaving its ``with`` block cancels it if it still runs and waits until ``squeue`` no
-    longer lists it; ``left()`` then says what of it still lives on this machine (nothing, or a bug)."""
+    database), cancel it. Leaving its ``with`` block cancels it if it still runs, waits until ``squeue`` no
+    longer lists it, then until none of its processes is left on this machine (a leftover is killed, and
+    named in a RuntimeError)."""
 
     def __init__(self, job_id: str, command: Sequence[str] = ()):
         self.id = job_id
@@ -523,7 +531,14 @@ class SlurmJob:
             )
         self.poll()
 
+    def nodes(self) -> list[str]:
+        """The job's nodes in SLURM's order (srun's ``%n``, ``SLURM_NODEID``); empty before it has them."""
+        if not self.node_list:
+            self.poll()
+        return self.node_list
+
     def processes(self) -> dict[int, tuple[str, dict[str, str]]]:
+        """The job's live processes on this machine (``job_processes``)."""
         return job_processes(self.id)
 
     def __enter__(self) -> SlurmJob:
@@ -540,6 +555,16 @@ class SlurmJob:
                     flush=True,
                 )
         self.wait_gone()
+        # SLURM is done with the job: nothing of it may live on here (a login node runs none of it).
+        left = wait_until(self.processes, LEFT_WAIT)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if left and exc_type is None:  # else the error in flight is the one to read
+            commands = [cmdline for cmdline, _ in left.values()]
+            raise RuntimeError(f"processes of job {self.id} outlived it (now killed): {commands}")
 
 
 def job_processes(job_id: str) -> dict[int, tuple[str, dict[str, str]]]:
