@@ -334,10 +334,8 @@ def _run(job: _SlurmJob) -> SlurmResult:
                 if state == "PENDING" and slurm.reason not in (None, "None") and not pending_said:
                     print(f"ddp_helpers: job {slurm.id} waits in the queue ({slurm.reason})", flush=True)
                     pending_said = True
-                if watch is None and state not in ("PENDING", "CONFIGURING", None):
-                    watch = diagnose.Watch(
-                        now, job.timeout, job.stall_timeout
-                    )  # the job runs: count from now
+                if watch is None and state not in ("PENDING", "CONFIGURING", None):  # it runs: count from now
+                    watch = diagnose.Watch(now, job.timeout, job.stall_timeout)
             if watch is not None:
                 hang = watch.check(now, new_lines, all(r.printed for r in ranks))
                 if hang is not None:
@@ -399,10 +397,20 @@ def _hung_ranks(ranks: Sequence[_Rank], slurm: SlurmJob) -> list[diagnose.RankRe
     for rank in ranks:
         rank.poll()
         rank.stderr.mute()
-    here = set(job_processes(slurm.id))
-    visible = [r for r in ranks if r.pid() in here]
-    stacks = _dump_stacks(visible, lambda: any([r.poll() for r in ranks]))
+    here = set(job_processes(slurm.id))  # a pid from another machine must never be signalled here
+    signalled = [r if r.pid() in here else _Elsewhere(r) for r in ranks]
+    stacks = _dump_stacks(signalled, lambda: any([r.poll() for r in ranks]))
     return [rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in ranks]
+
+
+class _Elsewhere:
+    """A rank whose process runs on another machine: no pid to signal from here."""
+
+    def __init__(self, rank: _Rank):
+        self.rank, self.stderr = rank.rank, rank.stderr
+
+    def pid(self) -> None:
+        return None
 
 
 def _failures(run_dir: str, count: int) -> dict[int, dict]:

@@ -415,3 +415,34 @@ def test_sbatch_cancels_a_job_past_its_timeout(cluster, tmp_path: Path):
     assert f"The job {err.result.job_id} was cancelled (scancel)" in str(err), err
     assert err.result.state == "CANCELLED", err.result.state
     assert _left_behind(err.result.job_id) == (False, {})  # squeue no longer lists it; no process of it here
+
+
+class _InterruptAt:
+    """A stdout that raises KeyboardInterrupt, as a cell interrupt does, once a given line is printed."""
+
+    def __init__(self, line: str):
+        self.line, self.text = line, ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        if self.line in self.text:
+            self.line = "\0never again"  # once: the launcher's own clean-up may print too
+            raise KeyboardInterrupt
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_sbatch_cancels_a_job_on_keyboard_interrupt(cluster, tmp_path: Path, monkeypatch):
+    from ddp_helpers import sbatch
+
+    (tmp_path / "sleeps.py").write_text(SLEEPS)
+    out = _InterruptAt("[rank 1] hello from 1")  # the interrupt comes while the job runs
+    monkeypatch.setattr(sys, "stdout", out)
+    with pytest.raises(KeyboardInterrupt):
+        sbatch("sleeps.py", nodes=2, cwd=tmp_path, timeout=WAIT, show_script=False)
+    monkeypatch.undo()
+    job_id = re.search(r"submitted job (\d+)", out.text)[1]
+    assert _left_behind(job_id) == (False, {})  # cancelled, gone from squeue, no process of it here
+    assert not (tmp_path / ".ddp_helpers").exists()
