@@ -460,8 +460,9 @@ def _slurm(
     return subprocess.run(argv, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT, env=env, cwd=cwd)
 
 
-def wait_until(condition: Callable[[], object], within: float) -> object:
-    """Poll ``condition`` until it returns something falsy or ``within`` seconds pass; its last answer."""
+def wait_until(condition: Callable[[], object], within: float = DEFAULT_TIMEOUT) -> object:
+    """Poll ``condition`` until it returns something falsy or ``within`` seconds pass (a bound for failures
+    only); its last answer."""
     end = time.monotonic() + within
     while (answer := condition()) and time.monotonic() < end:
         time.sleep(0.2)
