@@ -343,6 +343,20 @@ def test_sbatch_checks_its_input_before_submitting(tmp_path: Path, monkeypatch):
         slurm._plan("s.py", cwd=tmp_path)
 
 
+def test_a_hang_never_signals_a_pid_that_is_not_the_jobs_here(tmp_path: Path):
+    """On a real cluster a rank's pid is another machine's: the stack dump must not signal this one's."""
+    from ddp_helpers import _protocol as protocol
+    from ddp_helpers.launcher import _Rank
+    from ddp_helpers.slurm import SlurmJob, _hung_ranks
+
+    start = {"event": "start", "pid": os.getpid(), "pgid": os.getpgid(0), "time": 0.0}  # this very process
+    for rank in (0, 1):
+        Path(protocol.rank_file(str(tmp_path), rank, "status")).write_text(json.dumps(start) + "\n")
+    ranks = [_Rank(str(tmp_path), rank, False) for rank in (0, 1)]
+    records = _hung_ranks(ranks, SlurmJob("0"))  # no process of a job 0 here: SIGUSR1 would end pytest
+    assert [(r.started, r.alive, r.stack) for r in records] == [(True, False, None)] * 2, records
+
+
 # ---- ddp_helpers.slurm.sbatch on the practice cluster --------------------------------------------------
 
 FAILS = """\
