@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 _EXPORTS = {
     "torchrun": "ddp_helpers.launcher",
+    "sbatch": "ddp_helpers.slurm",
+    "SlurmJob": "ddp_helpers.slurm",
+    "SlurmResult": "ddp_helpers.slurm",
     "TorchrunError": "ddp_helpers.outcome",
     "JobFailedError": "ddp_helpers.outcome",
     "JobHungError": "ddp_helpers.outcome",
@@ -28,6 +31,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from ddp_helpers.environment import choose_backend, describe_environment, series_folder  # noqa: F401
     from ddp_helpers.launcher import torchrun  # noqa: F401
     from ddp_helpers.outcome import JobFailedError, JobHungError, TorchrunError, TorchrunResult  # noqa: F401
+    from ddp_helpers.slurm import SlurmJob, SlurmResult, sbatch  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

@@ -268,7 +268,9 @@ def hang_error(
     if waiting:
         lines.append("Waiting for them:")
         lines += [f"  {describe_hung(r, script)}" for r in waiting]
-    lines.append("Every rank was killed. Full stacks: .stacks on this error; logs: .result.")
+    dumped = [r.rank for r in stuck + waiting if r.alive and r.stack]  # a culprit's dump first
+    show = f": print(err.stacks[{dumped[0]}])" if dumped else ""
+    lines.append(f"Every rank was killed. The stack dumps are on the error{show}; the logs on err.result.")
     stacks = {r.rank: r.stack or "" for r in records if r.alive}
     return JobHungError(
         "\n".join(lines), result, hang=hang, stuck_ranks=[r.rank for r in stuck], stacks=stacks
@@ -301,10 +303,14 @@ def signal_name(exitcode: int | None) -> str | None:
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch prefixes an uncaught traceback's lines with it
 _WRAPPER_FRAME = re.compile(r'^\s+File "(<frozen runpy>|.*ddp_helpers[/\\]_worker\.py)"')
+_LIBRARY_FRAME = re.compile(r'^\s+File ".*[/\\](torch|torchvision)[/\\]')  # inside torch or torchvision
 
 
 def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
-    """The last traceback in a rank's stderr, without the launcher's own frames, in about ``max_lines``."""
+    """The last traceback in a rank's stderr, trimmed to the script's frames, in about ``max_lines``.
+
+    The launcher's own frames go; a run of frames inside torch becomes one line, except the innermost frame,
+    which says where the error was raised."""
     lines = [_RANK_PREFIX.sub("", line) for line in lines]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
     if not starts:
@@ -312,14 +318,23 @@ def last_traceback(lines: list[str], max_lines: int = 20) -> list[str]:
     block = lines[starts[-1] :]
     # Frames are indented; the first line that is not is the exception itself ("ValueError: ...").
     end = next((i + 1 for i, line in enumerate(block[1:], 1) if line and not line[0].isspace()), len(block))
-    kept, skipping = [], False
-    for line in block[:end]:
-        if line.startswith("  File "):
-            skipping = bool(_WRAPPER_FRAME.match(line))
-        elif not line.startswith("    "):
-            skipping = False
-        if not skipping:
-            kept.append(line)
+    frames: list[list[str]] = []  # each: its 'File ...' line, then its source and caret lines
+    for line in block[1 : end - 1]:
+        if line.startswith("  File ") or not frames:
+            frames.append([line])
+        else:
+            frames[-1].append(line)
+    frames = [f for f in frames if not _WRAPPER_FRAME.match(f[0])]
+    kept, hidden = [block[0]], 0
+    for i, frame in enumerate(frames):
+        if _LIBRARY_FRAME.match(frame[0]) and i < len(frames) - 1:
+            hidden += 1
+            continue
+        if hidden:
+            kept.append(f"  ... ({hidden} frame{'s' if hidden > 1 else ''} inside torch)")
+            hidden = 0
+        kept += frame
+    kept += block[end - 1 : end] if end > 1 else []
     if len(kept) > max_lines:
         cut = len(kept) - max_lines + 1
         kept = [kept[0], f"  ... ({cut} lines cut; the whole log is on the error's .result)"] + kept[

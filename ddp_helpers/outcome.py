@@ -82,10 +82,14 @@ class TorchrunError(RuntimeError):
         self.stacks: dict[int, str] = {}
 
     @property
-    def timed_out(self) -> bool:
-        """True when the job was stopped as hung, by ``timeout=`` or by ``stall_timeout=`` (``.hang.kind``
-        says which). It stays true for a stall because the notebooks assert it after stalls."""
+    def hung(self) -> bool:
+        """True when the launcher stopped the job as hung, by ``timeout=`` or ``stall_timeout=``."""
         return self.hang is not None
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the job ran past ``timeout=``; a stall (``stall_timeout=``) is ``.hung`` but not this."""
+        return self.hang is not None and self.hang.kind == "timeout"
 
 
 class JobFailedError(TorchrunError):

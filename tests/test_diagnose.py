@@ -124,17 +124,27 @@ def test_the_hang_message_names_the_culprit_first_then_who_waits():
     ), lines
     assert lines[1].startswith("  rank 1 is busy at train.py:15 in main") and lines[2] == "Waiting for them:"
     assert lines[3] == "  rank 0 waits in torch.distributed `all_reduce` called at train.py:9 in main", lines
-    assert lines[-1] == "Every rank was killed. Full stacks: .stacks on this error; logs: .result."
-    assert err.stuck_ranks == [1] and err.hang == Hang("timeout", 12) and err.timed_out
+    assert lines[-1] == (
+        "Every rank was killed. The stack dumps are on the error: print(err.stacks[1]); "
+        "the logs on err.result."
+    ), "the culprit's dump is the one to read first"
+    assert err.stuck_ranks == [1] and err.hang == Hang("timeout", 12) and err.timed_out and err.hung
     assert err.stacks == {0: records[0].stack, 1: BUSY} and err.rank is None and err.exitcode is None
     stall = diagnose.hang_error(result(), Hang("stall", 2), records, SCRIPT)
     assert str(stall).startswith(
         "stalled: every rank had printed, then none printed anything for 2 s; stuck: rank 1"
     )
-    assert stall.hang.kind == "stall" and stall.hang.seconds == 2 and stall.timed_out  # see outcome.timed_out
+    assert stall.hang.kind == "stall" and stall.hang.seconds == 2 and stall.hung and not stall.timed_out
     gone = diagnose.hang_error(result(), Hang("timeout", 5), [waiting(0), hung(1, "", alive=True)], SCRIPT)
     assert gone.stacks == {0: waiting(0).stack, 1: ""}, (
         "a live rank that sent nothing still has its (empty) entry"
+    )
+    assert str(gone).endswith("on the error: print(err.stacks[0]); the logs on err.result."), (
+        "the hint shows a dump that has lines"
+    )
+    none = diagnose.hang_error(result(), Hang("timeout", 5), [hung(0, "", alive=True)], SCRIPT)
+    assert str(none).endswith(
+        "Every rank was killed. The stack dumps are on the error; the logs on err.result."
     )
 
 
@@ -172,7 +182,7 @@ TRACEBACK = [
 def test_the_failure_message_names_the_first_failing_rank_and_its_traceback():
     records = {0: _failed(0, -signal.SIGTERM, time=3.0), 1: _failed(1, 1, "ValueError", time=2.0)}
     err = diagnose.failure_error(result(stderr={1: ["noise", *TRACEBACK]}), records)
-    assert isinstance(err, JobFailedError) and isinstance(err, TorchrunError) and not err.timed_out
+    assert isinstance(err, JobFailedError) and isinstance(err, TorchrunError) and not err.hung
     assert (
         err.rank == 1
         and err.exitcode == 1
@@ -283,3 +293,33 @@ def test_a_timeout_counts_from_the_launch_whatever_the_ranks_print():
     assert watch.check(12.1, new_lines=True, every_rank_printed=True) == Hang("timeout", 12)
     assert str(Hang("timeout", 12)) == "timed out after 12 s"
     assert diagnose.Watch(0.0, None, None).check(1e9, False, True) is None  # no limit, no hang
+
+
+def test_last_traceback_folds_torchs_inner_frames_and_keeps_where_it_raised():
+    torch_frame = '  File "/venv/lib/python3.11/site-packages/torch/{0}.py", line {1}, in {0}'
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "/work/train.py", line 30, in main',
+        "    loss.backward()",
+        torch_frame.format("_tensor", 625),
+        "    torch.autograd.backward(",
+        torch_frame.format("autograd", 354),
+        "    _engine_run_backward(",
+        "    ^^^^^^^^^^^^^^^^^^^^^",
+        torch_frame.format("graph", 841),
+        "    return Variable._execution_engine.run_backward(",
+        "RuntimeError: Expected to mark a variable ready only once.",
+    ]
+    assert diagnose.last_traceback(lines) == [
+        "Traceback (most recent call last):",
+        '  File "/work/train.py", line 30, in main',
+        "    loss.backward()",
+        "  ... (2 frames inside torch)",
+        torch_frame.format("graph", 841),
+        "    return Variable._execution_engine.run_backward(",
+        "RuntimeError: Expected to mark a variable ready only once.",
+    ]
+    one = lines[:3] + lines[5:8] + lines[10:]
+    assert diagnose.last_traceback(one) == one  # a torch frame that is the innermost is kept
+    middle = lines[:5] + ['  File "/work/model.py", line 4, in forward', "    x.relu_()"] + lines[-1:]
+    assert "  ... (1 frame inside torch)" in diagnose.last_traceback(middle)

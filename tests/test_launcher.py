@@ -169,7 +169,7 @@ def test_a_rank_that_leaves_early_is_pointed_out(script):
     assert "rank 1 exited normally (code 0) while the others were still running" in str(err)
 
 
-def test_mismatched_collectives_are_reported(script):
+def test_mismatched_collectives_are_reported_diagnosis_first(script, capsys):
     path = script("""
         import torch, torch.distributed as dist
         dist.init_process_group("gloo")
@@ -180,11 +180,18 @@ def test_mismatched_collectives_are_reported(script):
             dist.recv(torch.zeros(1), src=0)
     """)
     with pytest.raises(TorchrunError) as info:
-        torchrun(path, nproc_per_node=2, live=False, stall_timeout=3)
+        torchrun(path, nproc_per_node=2, stall_timeout=3)
     err = info.value
     assert isinstance(err, JobHungError) and err.hang == Hang("stall", 3), str(err)
     assert err.stuck_ranks == [0, 1], str(err)
     assert "different collectives" in str(err)
+    # The cell shows the ranks' own lines and then the diagnosis: the stack dumps stay on .stacks.
+    out, errout = capsys.readouterr()
+    shown = (out + errout).splitlines()
+    assert "[rank 0] ready" in shown and "[rank 1] ready" in shown, shown
+    assert not any("most recent call first" in line for line in shown), shown
+    assert all("most recent call first" in err.stacks[r] for r in (0, 1)), err.stacks
+    assert len(shown) + len(str(err).splitlines()) <= 15, shown  # notebook 00's hang cell has this shape
 
 
 def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
