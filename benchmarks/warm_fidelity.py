@@ -25,13 +25,24 @@ from ddp_helpers import TorchrunError, make_image_folder, torchrun
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 TIMING = ("time", "seconds", "duration", "samples_per_s", "ratio")  # measured, so different in every run
-PER_LAUNCH = ("MASTER_PORT", "master_port", "TORCHELASTIC_RUN_ID")  # a new port and id for every launch
+PER_LAUNCH = (
+    "MASTER_PORT",
+    "master_port",
+    "TORCHELASTIC_RUN_ID",
+    "pid",
+    "pgid",
+    "main_pid",
+)  # new each launch
+COUNTED = (
+    "tcp_opened",
+    "worker_pids",
+)  # ports and process ids, new each launch: how many is what they report
 
 
 def _untimed(value: object) -> object:
     if isinstance(value, dict):
         return {
-            k: _untimed(v)
+            k: len(v) if k in COUNTED and isinstance(v, list) else _untimed(v)
             for k, v in value.items()
             if not any(t in k for t in TIMING) and k not in PER_LAUNCH
         }
@@ -55,7 +66,7 @@ def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs
         return {
             "failed": True,
             "raised": raised,
-            "timed_out": err.timed_out,
+            "hung": err.hung,  # stopped by timeout= or stall_timeout=
             "stuck": err.stuck_ranks,
             "records": _untimed(err.result.records()),
             "error": f"{type(err).__name__}: {err}",
@@ -125,6 +136,23 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
         ["runs/fidelity08"],
     ),
     ("08_memory.py", [], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    # 05 §7's two ranks on one stream: the launcher reads each rank's stream apart, so the records show each
+    # rank's lines in order and whether its stdout was unbuffered; 20 lines each way show that as 2000 do.
+    ("05_lines.py", ["--lines", "20"], {"nproc_per_node": 2}, []),
+    ("09_failures.py", ["--steps", "0", "--fail", "raise"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    # Every case notebook 09 runs on the CPU (load-device, same-gpu and watchdog need two GPUs).
+    ("09_training.py", ["--case", "checkpoint"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("09_training.py", ["--case", "batchnorm"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("09_training.py", ["--case", "loss"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("09_training.py", ["--case", "scaling"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("09_training.py", ["--case", "workers"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("09_training.py", ["--case", "logging"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    (
+        "09_training.py",
+        ["--case", "flight-recorder", "--out", "runs/fidelity09"],
+        {"nproc_per_node": 2, "backend": "gloo"},
+        ["runs/fidelity09"],
+    ),
 ]
 
 
