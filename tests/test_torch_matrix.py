@@ -241,9 +241,8 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
         },
     ]
     lines = tm.render_table(rows, PINNED).splitlines()
-    assert (
-        lines[0] == "| torch | torchvision | date | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
-    )  # 00-08
+    assert lines[0] == "| torch | torchvision | date | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
+    assert tm.NOTEBOOK_COLUMNS[0] == "00" and "09" in tm.NOTEBOOK_COLUMNS  # every notebook of the series
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
     assert [ln.split(" | ")[0] for ln in body] == ["| 2.6.0", "| 2.14.1 (pinned)", "| 2.15"]
     assert body[0].startswith("| 2.6.0 | 0.21.0 | 2026-12-01 | 1/2: `00_hello` fails [1] | pass | not run |")
@@ -387,4 +386,71 @@ def test_a_solutions_notebook_that_was_run_gets_a_column():
         )
     ]
     lines = tm.render_table(rows, PINNED).splitlines()
-    assert lines[0].endswith("| 08 | 06 sol. |") and lines[2].endswith("| not run | pass |"), lines
+    assert lines[0].endswith("| 09 | 06 sol. |") and lines[2].endswith("| not run | pass |"), lines
+
+
+def _warm_fidelity_cases() -> list:
+    tree = ast.parse((REPO / "benchmarks" / "warm_fidelity.py").read_text())
+    return next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CASES"
+    )
+
+
+def test_every_script_of_the_series_is_a_case_of_the_matrix():
+    """What CI's floor check and the matrix run: every Python script in notebooks/scripts (the batch scripts
+    of notebook 05 section 7 need SLURM: they run in the notebook, where the practice cluster is up)."""
+    scripts = {p.name for p in (REPO / "notebooks" / "scripts").glob("*.py")}
+    cased = {script for script, *_ in _warm_fidelity_cases()}
+    assert scripts - cased == set(), f"scripts no case of benchmarks/warm_fidelity.py runs: {scripts - cased}"
+    assert cased - scripts == set(), cased - scripts
+
+
+def test_results_stored_before_the_renaming_say_hung():
+    old = {"failed": True, "raised": [], "timed_out": True, "stuck": [1], "records": []}
+    new = {"failed": True, "raised": [], "hung": True, "stuck": [1], "records": []}
+    assert tm.script_verdict("00_hang", _case(old), {"warm": new}, (2, 9)) == ("pass", "")
+    assert tm.script_verdict("00_hello", {"warm": new}, {"warm": OK}, (2, 9))[0] == "hangs"
+
+
+def test_a_notebook_whose_slurm_cells_did_not_run_says_so():
+    rows = [
+        _row(
+            "2.8.0",
+            "0.23.0",
+            {"notebooks/05_launching.ipynb": {"status": "pass", "slurm_not_run": "no SLURM here: skipped"}},
+        )
+    ]
+    text = tm.render_table(rows, PINNED)
+    assert "| pass, SLURM cells not run [1] |" in text, text
+    assert "1. 2.8.0, 05: the SLURM cells did not submit jobs: no SLURM here: skipped" in text, text
+
+
+def test_the_scripts_alone_get_torch_and_torchvision_only(tmp_path, monkeypatch):
+    """CI's floor check installs what the scripts import; the notebooks add the project and its dependencies
+    to that environment, and an environment made for them serves the scripts too."""
+    monkeypatch.setattr(tm, "ENVS", tmp_path / "envs")
+    monkeypatch.setattr(tm, "LOGS", tmp_path / "logs")
+    steps = []
+
+    def fake_run_child(cmd, **kwargs):
+        steps.append([str(c) for c in cmd])
+        if "venv" in steps[-1]:
+            Path(steps[-1][-1]).mkdir(parents=True)
+        return {"rc": 0, "timed_out": False, "seconds": 0, "leftovers": []}
+
+    monkeypatch.setattr(tm, "run_child", fake_run_child)
+    pair = {"torch": "2.8.0", "torchvision": "0.23.0", "exclude": []}
+    python, info = tm.ensure_env(pair, notebooks=False)
+    assert not info["reused"] and [s[-2:] for s in steps] == [
+        ["venv", str(tm.ENVS / "torch-2.8.0-tv0.23.0")],
+        ["torch==2.8.0", "torchvision==0.23.0"],
+    ], steps
+    assert tm.ensure_env(pair, notebooks=False)[1]["reused"] and len(steps) == 2
+    steps.clear()
+    assert not tm.ensure_env(pair, notebooks=True)[1]["reused"]
+    assert len(steps) == 1 and "-e" in steps[0] and "venv" not in steps[0], steps  # added, not made anew
+    assert (
+        tm.ensure_env(pair, notebooks=False)[1]["reused"] and tm.ensure_env(pair, notebooks=True)[1]["reused"]
+    )

@@ -326,10 +326,13 @@ def own_python_has(pair: Mapping[str, Any]) -> bool:
     return [v.split("+")[0] for v in done.stdout.split()] == [pair["torch"], pair["torchvision"]]
 
 
-def ensure_env(pair: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
-    """The Python of an environment with ``pair`` and the project (made if missing), and what was done. Below
-    the floor, where pip would refuse the project, the project goes in without its dependencies, and its other
-    dependencies by name (to see why a release is below the floor)."""
+def ensure_env(pair: Mapping[str, Any], notebooks: bool = True) -> tuple[Path, dict[str, Any]]:
+    """The Python of an environment with ``pair`` (made if missing), and what was done. For the scripts
+    alone (``notebooks=False``, what CI's floor check runs) it gets torch and torchvision: the scripts import
+    nothing else, and the children find ddp_helpers on PYTHONPATH. For the notebooks it also gets the project
+    with ``pip install -e`` (so pip checks pyproject.toml's floor too) and the project's other dependencies,
+    added to an environment made for the scripts; below the floor, where pip would refuse the project, the
+    project goes in without its dependencies, and those by name (to see why a release is below the floor)."""
     path = ENVS / env_name(pair)
     mark = path / "matrix-env.json"
     python = path / "bin" / "python"
@@ -339,23 +342,24 @@ def ensure_env(pair: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
         for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
         if not re.match(r"torch(vision)?\b", r)
     ]
-    wanted = {"requirements": requirements, "others": others}  # the floor may move without a new install
-    if mark.exists() and json.loads(mark.read_text()).get("wanted") == wanted:
+    have = json.loads(mark.read_text()).get("wanted", {}) if mark.exists() else {}
+    if have.get("requirements") != requirements:
+        have = {}
+    if have and (not notebooks or have.get("others") == others):  # the floor may move without a new install
         return python, {"env": path.name, "reused": True}
-    shutil.rmtree(path, ignore_errors=True)
     constraints = ENVS / f"{path.name}.constraints.txt"
     constraints.parent.mkdir(parents=True, exist_ok=True)
     constraints.write_text("\n".join(requirements + [f"torch!={v}" for v in pair.get("exclude", [])]) + "\n")
     pip = [python, "-m", "pip", "install", "--quiet"]
-    steps = [
-        [sys.executable, "-m", "venv", path],
-        [*pip, *requirements, "-e", SRC, "pytest", "pytest-timeout"],
-    ]
-    if minor_of(pair["torch"]) < declared_floor():
-        steps[1:] = [
-            [*pip, *requirements, *others, "pytest", "pytest-timeout"],
-            [*pip, "--no-deps", "-e", SRC],
-        ]
+    steps = []
+    if not have:
+        shutil.rmtree(path, ignore_errors=True)
+        steps += [[sys.executable, "-m", "venv", path], [*pip, *requirements]]
+    if notebooks:
+        if minor_of(pair["torch"]) < declared_floor():
+            steps += [[*pip, *others, "pytest", "pytest-timeout"], [*pip, "--no-deps", "-e", SRC]]
+        else:
+            steps += [[*pip, "-e", SRC, "pytest", "pytest-timeout"]]
     start = time.monotonic()
     for i, step in enumerate(steps):
         log = LOGS / path.name / f"install.{i}.log"
@@ -364,6 +368,7 @@ def ensure_env(pair: Mapping[str, Any]) -> tuple[Path, dict[str, Any]]:
             tail = log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"installing {path.name} failed; see {log}:\n{tail}")
     info = {"env": path.name, "reused": False, "install_seconds": round(time.monotonic() - start)}
+    wanted = {"requirements": requirements, "others": others if notebooks else have.get("others", [])}
     mark.write_text(json.dumps({"wanted": wanted, **info}, indent=1))
     return python, info
 
@@ -494,6 +499,8 @@ def _core(outcome: Mapping[str, Any] | None) -> dict[str, Any]:
     """What is compared: not the error's text, which names processes and ports; of a failed launch, the
     distinct records, whoever printed them (a rank stopped while its peer fails may not print its own)."""
     core = {k: v for k, v in (outcome or {}).items() if k not in ("error", "launcher_error")}
+    if "timed_out" in core:  # what results stored before 2026-12-02 call "hung"
+        core["hung"] = core.pop("timed_out")
     if core.get("failed") and "records" in core:
         distinct = {
             json.dumps({k: v for k, v in r.items() if k != "rank"}, sort_keys=True) for r in core["records"]
@@ -517,7 +524,7 @@ def error_line(outcome: Mapping[str, Any]) -> str:
         .removeprefix("JobFailedError: ")
         .removeprefix("TorchrunError: ")
     )
-    if outcome.get("timed_out") or len(lines) == 1:
+    if outcome.get("hung") or outcome.get("timed_out") or len(lines) == 1:
         return first[:200]
     found = re.match(r"rank (\d+) raised ", first)
     return (f"rank {found[1]}: {lines[-1]}" if found else f"{first.rstrip('.:')}: {lines[-1]}")[:240]
@@ -537,10 +544,7 @@ def script_verdict(
     """(verdict, one-line detail) of one case on one version, against the pinned version's (None: this is the
     pinned row, compared warm against cold only). Verdicts: pass, pass≈, floats differ, named, differs, fails,
     hangs, warm≠cold, not run."""
-    cold, warm = (
-        case.get("cold"),
-        case.get("warm"),
-    )  # a --warm-only run (the reference in --check) has no cold
+    cold, warm = case.get("cold"), case.get("warm")  # a --warm-only run (and --check's reference) has no cold
     if warm is None:
         return "not run", ""
     if (cold or {}).get("unfinished") or warm.get("unfinished"):
@@ -568,7 +572,7 @@ def script_verdict(
             notes.append(" ".join(f"[N{i}]" for i, _, _ in named))
             continue
         if mine.get("failed") and not theirs.get("failed"):
-            return ("hangs" if mine.get("timed_out") else "fails"), error_line(mine)
+            return ("hangs" if _core(mine).get("hung") else "fails"), error_line(mine)
         exact = [
             p for p in differences(_core(mine), _core(theirs), rtol=math.inf)[0] if not _covered(p, allowed)
         ]
@@ -630,7 +634,7 @@ def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, An
             ] or [""]
             hang = output.get("ename") == "JobHungError" or re.match(r"(timed out after|stalled)", lines[0])
             if output.get("ename", "").endswith(("TorchrunError", "JobFailedError", "JobHungError")):
-                line = error_line({"error": "\n".join(lines), "timed_out": bool(hang)})
+                line = error_line({"error": "\n".join(lines), "hung": bool(hang)})
             else:
                 line = f"{output.get('ename', '')}: {lines[-1]}".rstrip(": ")
             tags = cells[i].get("metadata", {}).get("tags", [])
@@ -644,8 +648,26 @@ def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, An
     return {"status": "error", "cell": None, "error": " / ".join(tail)[-240:]}
 
 
+def slurm_missing(python: Path) -> str | None:
+    """Why notebook 05's SLURM cells (section 7) will submit no jobs in this run, in the line they print
+    (``practice_cluster_missing``, asked in the version's own environment), or None: they run, on the
+    practice cluster of tools/slurm_cluster.sh, with this version (the jobs run the kernel's Python)."""
+    code = "from ddp_helpers.slurm import practice_cluster_missing as m; print(m() or '')"
+    done = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, cwd=SRC, env=child_env(python), check=False
+    )
+    if done.returncode:
+        return f"not known: {done.stderr.strip()[-200:]}"
+    return done.stdout.strip() or None
+
+
+def uses_slurm(notebook: Path) -> bool:
+    return "practice_cluster_missing" in notebook.read_text()
+
+
 def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeout: int, limit: float) -> dict:
     results = {}
+    slurm = slurm_missing(python) if any(uses_slurm(SRC / rel) for rel in paths) else None
     for rel in paths:
         log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
         cmd = [
@@ -678,6 +700,8 @@ def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeou
         }
         if done["leftovers"]:
             verdict["leftovers"] = done["leftovers"]
+        if slurm and uses_slurm(SRC / rel):  # the SLURM cells printed this line and passed
+            verdict["slurm_not_run"] = slurm
         results[rel] = verdict
         print(
             f"    {rel}: {verdict['status']}"
@@ -727,7 +751,8 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-NOTEBOOK_COLUMNS = [f"{n:02d}" for n in range(9)]  # and a column per solutions notebook that was run
+# A column per notebook of the series (and one per solutions notebook that was run).
+NOTEBOOK_COLUMNS = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 def _notebook_column(rel: str) -> str:
@@ -807,7 +832,9 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
             if v is None:
                 cells.append("not run")
             elif v["status"] == "pass":
-                cells.append("pass")
+                skipped = v.get("slurm_not_run")
+                why = f"{row['torch']}, {column}: the SLURM cells did not submit jobs: {skipped}"
+                cells.append("pass, SLURM cells not run " + note(why) if skipped else "pass")
             else:
                 what = {"fail": "fails", "hang": "hangs", "error": "error"}[v["status"]]
                 if v.get("version_specific"):
@@ -855,7 +882,7 @@ def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[
     if is_pinned and own_python_has(pair):
         python, info = Path(sys.executable), {"env": "this interpreter's", "reused": True}
     else:
-        python, info = ensure_env(pair)
+        python, info = ensure_env(pair, notebooks=args.notebooks)
     print(
         f"    environment {info['env']}: "
         + ("reused" if info["reused"] else f"installed in {info['install_seconds']} s"),
@@ -867,7 +894,9 @@ def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[
     result: dict[str, Any] = {**pair, "date": today(), "source": source}
     if not args.no_scripts:
         only = args.only[0] if len(args.only) == 1 else ""
-        warm_only = args.check and is_pinned  # the reference: its own warm and cold agree in every full run
+        # --check's reference: the pinned version's own warm and cold agree in every full run (and
+        # benchmarks/warm_fidelity.py checks it), so one launch, warm, is what the others are compared with.
+        warm_only = args.warm_only or (args.check and is_pinned)
         s = result["scripts"] = run_scripts(python, log_dir, only, args.scripts_timeout, warm_only)
         ran_out = " (time ran out)" if s["timed_out"] else ""
         print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
@@ -910,6 +939,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--keep-envs", action="store_true", help="keep every environment (default: the floor's)"
+    )
+    parser.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="each case launched once, warm, as the notebooks launch it (CI's floor check), not also cold",
     )
     parser.add_argument("--save-sources", action="store_true", help=f"keep torch/*.py under {SOURCES}")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds a notebook cell may take")
