@@ -84,6 +84,22 @@ NAMED = [
         ["records[*].broadcast_buffers=False", "records[*].forward_sync_buffers=False"],
         "DDP's forward_sync_buffers is new in torch 2.13: the script reports broadcast_buffers=False instead",
     ),
+    (
+        "09_training batchnorm",
+        (2, 8),
+        (2, 12),
+        ["records[*].variant"],
+        "DDP's forward_sync_buffers is new in torch 2.13: the script's variant turns off broadcast_buffers",
+    ),
+    (
+        "09_training batchnorm",
+        (2, 8),
+        (2, 13),
+        ["records[*].ok", "records[*].error", "records[*].versions", "records[*].checksums"],
+        "before torch 2.14 (pytorch#175851) DDP's buffer broadcast bumps running_mean's version counter, so "
+        "two forwards and one backward fail with autograd's in-place error (notebook 09 §4b); the version "
+        "counters the script reports differ in its other variants too, their gradients do not",
+    ),
 ]
 
 

@@ -3,6 +3,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import os
 import sys
@@ -104,7 +105,8 @@ def case_checkpoint(rank: int, world_size: int, device: torch.device) -> None:
 
 
 def case_batchnorm(rank: int, world_size: int, device: torch.device) -> None:
-    real, fake = torch.randn(8, 4) + rank, torch.randn(8, 4) - rank
+    data = torch.Generator().manual_seed(rank)  # each rank its own batches, the same in every run
+    real, fake = torch.randn(8, 4, generator=data) + rank, torch.randn(8, 4, generator=data) - rank
     flag = ("forward_sync_buffers" if "forward_sync_buffers" in DDP.__init__.__code__.co_varnames
             else "broadcast_buffers")  # torch >= 2.13 : before
     variants = {"two forwards": ({}, True), f"two forwards, {flag}=False": ({flag: False}, True),
@@ -262,7 +264,7 @@ def case_flight_recorder(rank: int, world_size: int, device: torch.device, out: 
         trace = json.loads(_dump_fr_trace_json())
         ops = [(e["collective_seq_id"], e["profiling_name"]) for e in trace["entries"]
                if e["process_group"][0] == group.group_name]  # (name, description) of the group
-        report(rank, "flight-recorder", ops=ops, error=str(err).splitlines()[0])
+        report(rank, "flight-recorder", ops=ops)  # the error itself depends on which rank timed out first
         raise
 
 
@@ -321,6 +323,8 @@ def main() -> None:
         prefix = os.path.join(os.path.abspath(args.out), "trace_rank_")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)  # the file's prefix; the old name below
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
+    if args.case == "flight-recorder":  # before the first process group: torch reads it then
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the default since torch 2.11; off (0) before
     rank, local_rank, world_size, device = setup()
     if args.case == "checkpoint":
         case_checkpoint(rank, world_size, device)
@@ -344,6 +348,9 @@ def main() -> None:
         case_same_gpu(rank, world_size, device)
     else:
         case_watchdog(rank, world_size, device)
+    # The cases' DDP wrappers sit in reference cycles: free them while their group exists (collected after
+    # destroy_process_group, gloo can abort the process: "terminate called without an active exception", see 01).
+    gc.collect()
     dist.destroy_process_group()
 
 
