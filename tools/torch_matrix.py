@@ -1,7 +1,7 @@
 """Run the series on other torch releases: a cached environment per minor version, a table of what breaks.
 
     python tools/torch_matrix.py [2.M ...] [--floor] [--notebooks [--solutions]] [--only NN ...] [--check]
-                                 [--keep-envs] [--save-sources] [--write-readme]
+                                 [--warm-only] [--keep-envs] [--save-sources] [--write-readme]
     python tools/torch_matrix.py --table [--write-readme]
 
 Versions: the ones named, ``--floor`` (the floor pyproject.toml declares, ``torch>=2.M``), or by default
@@ -11,24 +11,29 @@ torch); a release without one gets a row that says so. The pinned pair (constrai
 interpreter's own environment where that has it, otherwise like the others.
 
 For each version, an environment ``envs/torch-X-tvY/`` in the cache (``.cache/torch-matrix/`` in the clone,
-or ``$TORCH_MATRIX_CACHE``): the project installed with ``pip install -e`` (so pip checks pyproject.toml's
-floor too), torch and torchvision held to the pair, pip's download cache off (about 6 GB each, CUDA libraries
-included). Only the floor's environment stays on disk, unless ``--keep-envs``. Then, in a fresh copy of the
-working tree (the files git tracks or does not ignore):
+or ``$TORCH_MATRIX_CACHE``) with torch and torchvision held to the pair, pip's download cache off (about
+6.6 GB, CUDA libraries included: the package index has no CPU-only wheels of these releases); with
+``--notebooks`` also the project, installed with ``pip install -e`` (so pip checks pyproject.toml's floor
+too), and its other dependencies. Only the floor's environment stays on disk, unless ``--keep-envs``. Then,
+in a fresh copy of the working tree (the files git tracks or does not ignore):
 
-1. the scripts (unless ``--no-scripts``): every case of ``benchmarks/warm_fidelity.py``, cold and warm,
-   launched as the notebooks launch them. A case passes when warm and cold agree and both report what the
-   pinned version reports: records equal, floats within a relative FLOAT_RTOL; where only floats differ by
-   more it says so; where torch itself behaves otherwise the difference must be one NAMED below, or it fails.
+1. the scripts (unless ``--no-scripts``): every case of ``benchmarks/warm_fidelity.py`` (every Python script
+   of notebooks/scripts), cold and warm, launched as the notebooks launch them; ``--warm-only``: warm only,
+   once. A case passes when warm and cold agree and both report what the pinned version reports: records
+   equal, floats within a relative FLOAT_RTOL; where only floats differ by more it says so; where torch
+   itself behaves otherwise the difference must be one NAMED below, or it fails.
 2. ``--notebooks``: each notebook under nbmake, one at a time; a failure is reported with its cell's index
    (0-based, markdown cells included, as in the .ipynb file) and its error's last line, a cell that does not
    answer within ``--cell-timeout`` as a hang. Cells tagged ``version-specific`` assert a behaviour that
-   differs between versions (their text says which); a failure there is reported as such.
+   differs between versions (their text says which); a failure there is reported as such. Notebook 05's
+   SLURM cells (section 7) run where the practice cluster of tools/slurm_cluster.sh answers, with the version
+   under test; elsewhere they print one line and pass, and the table says they did not run.
 
 Results: ``.cache/torch-matrix/results/torch-2.M.json`` (a rerun of some notebooks or scripts keeps the rest);
 the table goes to stdout and, with ``--write-readme``, into README.md and README.zh-CN.md between
-``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs with ``--floor``) runs the
-pinned version's scripts as well, as the reference, and exits 1 unless every case passes on every version run.
+``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs, with ``--floor
+--warm-only``) runs the pinned version's scripts as well, warm, as the reference, and exits 1 unless every
+case passes on every version run.
 
 Why a script of our own and not nox: nox would make and reuse the environments (about 30 lines here), but not
 pair torchvision with torch, limit a child's time, kill what a hung notebook leaves behind, remove 6 GB
