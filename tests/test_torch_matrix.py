@@ -222,7 +222,12 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
             "0.21.0",
             {
                 "notebooks/00_start_here.ipynb": {"status": "pass"},
-                "notebooks/05_launching.ipynb": {"status": "hang", "cell": 14, "error": "timed"},
+                "notebooks/05_launching.ipynb": {
+                    "status": "hang",
+                    "cell": 14,
+                    "error": "timed",
+                    "source": {"commit": "bcdef0123456", "edited": True},
+                },
             },
             {"00_hello": _case(crash), "00_crash": _case(crash)},
         ),
@@ -240,15 +245,22 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
             "why": "no torchvision 0.30.x",
         },
     ]
+    rows[0]["source"] = {"commit": "abcdef012345", "edited": False}  # the row's: its scripts and 00 ran there
     lines = tm.render_table(rows, PINNED).splitlines()
-    assert lines[0] == "| torch | torchvision | date | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
+    header = "| torch | torchvision | date | tree | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
+    assert lines[0] == header
     assert tm.NOTEBOOK_COLUMNS[0] == "00" and "09" in tm.NOTEBOOK_COLUMNS  # every notebook of the series
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
     assert [ln.split(" | ")[0] for ln in body] == ["| 2.6.0", "| 2.14.1 (pinned)", "| 2.15"]
-    assert body[0].startswith("| 2.6.0 | 0.21.0 | 2026-12-01 | 1/2: `00_hello` fails [1] | pass | not run |")
+    assert body[0].startswith(
+        "| 2.6.0 | 0.21.0 | 2026-12-01 | abcdef0: scripts, 00; bcdef01+: 05 | 1/2: `00_hello` fails [1] | "
+        "pass |"
+    ), body[0]
     assert "| hangs in cell 14 [2] |" in body[0]
-    assert body[1].startswith("| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | 2/2 | pass |")
-    assert body[2].startswith("| 2.15 | none | 2026-12-02 | not run: no torchvision 0.30.x |")
+    assert body[1].startswith(
+        "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | pass |"
+    )  # no source stored
+    assert body[2].startswith("| 2.15 | none | 2026-12-02 | ? | not run: no torchvision 0.30.x |")
     assert "1. 2.6.0, 00_hello: rank 0: AttributeError: a \\| b" in lines
     assert "2. 2.6.0, 05: timed" in lines
 

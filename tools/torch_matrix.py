@@ -799,8 +799,30 @@ def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str])
     return bad
 
 
+def _tree(source: Mapping[str, Any] | None) -> str:
+    """The commit a run copied, short, with + where the working tree had uncommitted changes."""
+    if not (source or {}).get("commit"):
+        return "?"
+    return source["commit"][:7] + ("+" if source.get("edited") else "")
+
+
+def tree_cell(row: Mapping[str, Any]) -> str:
+    """Which tree each part of a row was run from: one commit, or each with the parts it ran (results
+    stored before 2026-12-02 have one source per row, the last run's)."""
+    fallback = row.get("source")
+    parts: dict[str, list[str]] = {}
+    if row.get("scripts"):
+        parts.setdefault(_tree(row["scripts"].get("source") or fallback), []).append("scripts")
+    for rel, verdict in sorted((row.get("notebooks") or {}).get("results", {}).items()):
+        parts.setdefault(_tree(verdict.get("source") or fallback), []).append(_notebook_column(rel))
+    if len(parts) <= 1:
+        return next(iter(parts), _tree(fallback))
+    return "; ".join(f"{tree}: {', '.join(names)}" for tree, names in parts.items())
+
+
 def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -> str:
-    """One row per torch minor version, the version first: torchvision, date, the scripts, each notebook."""
+    """One row per torch minor version, the version first: torchvision, date, the tree it was run from, the
+    scripts, each notebook."""
     reference = next((r for r in rows if r.get("torch") == pinned["torch"] and r.get("scripts")), None)
     ref_cases = (reference or {}).get("scripts", {}).get("cases", {})
     notes: list[str] = []
@@ -813,8 +835,8 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
     ran = {_notebook_column(rel) for r in rows for rel in (r.get("notebooks") or {}).get("results", {})}
     columns = NOTEBOOK_COLUMNS + sorted(ran - set(NOTEBOOK_COLUMNS))
     lines = [
-        "| torch | torchvision | date | scripts | " + " | ".join(columns) + " |",
-        "|---" * (4 + len(columns)) + "|",
+        "| torch | torchvision | date | tree | scripts | " + " | ".join(columns) + " |",
+        "|---" * (5 + len(columns)) + "|",
     ]
     used_named: set[int] = set()
     for row in rows:
@@ -824,8 +846,8 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
         dates = sorted({part["date"] for part in (row.get("scripts"), row.get("notebooks")) if part})
         if row.get("torchvision") is None:
             lines.append(
-                f"| {version} | none | {row.get('date', '')} | not run: {_cell(row.get('why', ''))} |"
-                + " |" * len(columns)
+                f"| {version} | none | {row.get('date', '')} | {_tree(row.get('source'))} | "
+                f"not run: {_cell(row.get('why', ''))} |" + " |" * len(columns)
             )
             continue
         cases = (row.get("scripts") or {}).get("cases", {})
@@ -863,9 +885,8 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
                 where = f" in cell {v['cell']}" if v.get("cell") is not None else ""
                 cells.append(f"{what}{where} " + note(f"{row['torch']}, {column}: {v.get('error', '')}"))
         lines.append(
-            f"| {version} | {row['torchvision']} | {', '.join(dates)} | {_cell(scripts)} | "
-            + " | ".join(_cell(c) for c in cells)
-            + " |"
+            f"| {version} | {row['torchvision']} | {', '.join(dates)} | {_cell(tree_cell(row))} | "
+            f"{_cell(scripts)} | " + " | ".join(_cell(c) for c in cells) + " |"
         )
     legend = [
         f"[N{i}] `{case}`, torch {label(first)} to {label(last)}: {why}."
@@ -919,6 +940,7 @@ def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[
         # benchmarks/warm_fidelity.py checks it), so one launch, warm, is what the others are compared with.
         warm_only = args.warm_only or (args.check and is_pinned)
         s = result["scripts"] = run_scripts(python, log_dir, only, args.scripts_timeout, warm_only)
+        s["source"] = source
         ran_out = " (time ran out)" if s["timed_out"] else ""
         print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
     if args.notebooks:
@@ -929,6 +951,8 @@ def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[
             args.cell_timeout,
             args.notebook_timeout,
         )
+        for verdict in result["notebooks"]["results"].values():
+            verdict["source"] = source  # kept with each notebook: a later run of others keeps this one
     store(result)
     keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
     if not keep and python.parent.parent.parent == ENVS:
