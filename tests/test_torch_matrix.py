@@ -245,7 +245,7 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
             "why": "no torchvision 0.30.x",
         },
     ]
-    rows[0]["source"] = {"commit": "abcdef012345", "edited": False}  # the row's: its scripts and 00 ran there
+    rows[0]["scripts"]["source"] = {"commit": "abcdef012345", "edited": False}  # and 00: stored without one
     lines = tm.render_table(rows, PINNED).splitlines()
     header = "| torch | torchvision | date | tree | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
     assert lines[0] == header
@@ -253,13 +253,15 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
     assert [ln.split(" | ")[0] for ln in body] == ["| 2.6.0", "| 2.14.1 (pinned)", "| 2.15"]
     assert body[0].startswith(
-        "| 2.6.0 | 0.21.0 | 2026-12-01 | abcdef0: scripts, 00; bcdef01+: 05 | 1/2: `00_hello` fails [1] | "
+        "| 2.6.0 | 0.21.0 | 2026-12-01 | abcdef0: scripts; ?: 00; bcdef01+: 05 | 1/2: `00_hello` fails [1] | "
         "pass |"
     ), body[0]
     assert "| hangs in cell 14 [2] |" in body[0]
     assert body[1].startswith(
         "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | pass |"
     )  # no source stored
+    rows[1]["source"] = {"commit": "cdef01234567", "edited": False}  # an old row: the last run's source
+    assert "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | cdef012 | 2/2 |" in tm.render_table(rows, PINNED)
     assert body[2].startswith("| 2.15 | none | 2026-12-02 | ? | not run: no torchvision 0.30.x |")
     assert "1. 2.6.0, 00_hello: rank 0: AttributeError: a \\| b" in lines
     assert "2. 2.6.0, 05: timed" in lines

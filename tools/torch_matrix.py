@@ -807,16 +807,20 @@ def _tree(source: Mapping[str, Any] | None) -> str:
 
 
 def tree_cell(row: Mapping[str, Any]) -> str:
-    """Which tree each part of a row was run from: one commit, or each with the parts it ran (results
-    stored before 2026-12-02 have one source per row, the last run's)."""
-    fallback = row.get("source")
+    """Which tree each part of a row was run from: one commit, or each with the parts it ran. Results stored
+    before each part kept its own have one source per row, the last run's: a row with no part of its own
+    shows that one; in a row that has some, a part without one shows "?" (run earlier, its tree not kept)."""
+    own = [row["scripts"]] if row.get("scripts") else []
+    own += [v for _, v in sorted((row.get("notebooks") or {}).get("results", {}).items())]
+    names = ["scripts"] * bool(row.get("scripts"))
+    names += [_notebook_column(rel) for rel in sorted((row.get("notebooks") or {}).get("results", {}))]
+    if not any(part.get("source") for part in own):
+        return _tree(row.get("source"))
     parts: dict[str, list[str]] = {}
-    if row.get("scripts"):
-        parts.setdefault(_tree(row["scripts"].get("source") or fallback), []).append("scripts")
-    for rel, verdict in sorted((row.get("notebooks") or {}).get("results", {}).items()):
-        parts.setdefault(_tree(verdict.get("source") or fallback), []).append(_notebook_column(rel))
-    if len(parts) <= 1:
-        return next(iter(parts), _tree(fallback))
+    for name, part in zip(names, own, strict=True):
+        parts.setdefault(_tree(part.get("source")), []).append(name)
+    if len(parts) == 1:
+        return next(iter(parts))
     return "; ".join(f"{tree}: {', '.join(names)}" for tree, names in parts.items())
 
 
