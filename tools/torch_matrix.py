@@ -407,6 +407,12 @@ def copy_worktree() -> dict[str, str]:
         if (ROOT / name).is_file():
             (SRC / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, SRC / name)
+    return tree_source()
+
+
+def tree_source() -> dict[str, Any]:
+    """The commit the working tree is at, and whether it has uncommitted changes."""
+    git = ["git", "-C", str(ROOT)]
     commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(git + ["status", "--porcelain"], capture_output=True, text=True).stdout.strip()
     return {"commit": commit, "edited": bool(dirty)}
@@ -1029,7 +1035,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ran.append(pair["minor"])
             if pair["torchvision"] is None:
                 print(f"  {pair['minor']}: {pair['why']}", flush=True)
-                store({**pair, "date": today()})
+                store({**pair, "date": today(), "source": tree_source()})
                 continue
             run_version(pair, args, pinned)
     rows = [r for r in load_results() if minor_of(r["minor"]) >= declared_floor()]  # older: kept, not shown
