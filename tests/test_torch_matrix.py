@@ -190,6 +190,12 @@ def test_notebook_verdicts():
         "error": "no answer within 300 s",
     }
     assert tm.notebook_verdict({"rc": None, "timed_out": True}, "", None)["status"] == "hang"
+    nbmake_1_5 = "A cell timed out while it was being executed, after 300 seconds."  # then KeyboardInterrupt
+    assert tm.notebook_verdict({"rc": 1, "timed_out": False}, nbmake_1_5, None) == {
+        "status": "hang",
+        "cell": None,
+        "error": "no answer within 300 s",
+    }
     assert tm.notebook_verdict(PASSED, "", None) == {"status": "pass"}
 
 

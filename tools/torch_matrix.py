@@ -644,7 +644,8 @@ def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, An
         ),
         None,
     )
-    if done["timed_out"] or "CellTimeoutError" in log_text:
+    timed_out = ("CellTimeoutError", "A cell timed out while it was being executed")  # nbmake's words for it
+    if done["timed_out"] or any(words in log_text for words in timed_out):
         limit = re.search(r"after (\d+) seconds", log_text)
         why = (
             f"no answer within {limit[1]} s" if limit and not done["timed_out"] else "the run's time ran out"
