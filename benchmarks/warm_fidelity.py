@@ -60,9 +60,10 @@ def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs
     try:
         result = torchrun(f"scripts/{script}", *args, live=False, warm=warm, **{"timeout": 300, **kwargs})
     except TorchrunError as err:
-        # Which exceptions the ranks raised; not which rank came first when several raise at once, nor the
-        # exit code of a rank stopped while shutting down (at times -6 or -15 instead of 1: see notebook 00).
-        raised = sorted(set(re.findall(r"rank \d+ raised (\w+)", str(err))))
+        # The exception of the rank blamed, the first to fail; not which rank that was when several raise at
+        # once, nor what the others did: a peer that torchrun stops may raise first (gloo's "Connection closed
+        # by peer") or not, and its exit code may be -6 or -15 instead of 1 (a race: see notebook 00).
+        raised = re.findall(r"^rank \d+ raised (\w+)", str(err))[:1]
         return {
             "failed": True,
             "raised": raised,

@@ -529,6 +529,8 @@ def _core(outcome: Mapping[str, Any] | None) -> dict[str, Any]:
     core = {k: v for k, v in (outcome or {}).items() if k not in ("error", "launcher_error")}
     if "timed_out" in core:  # what results stored before 2026-12-02 call "hung"
         core["hung"] = core.pop("timed_out")
+    if "raised" in core and outcome.get("error"):  # the blamed rank's exception only (older results: all)
+        core["raised"] = re.findall(r"^(?:\w+: )?rank \d+ raised (\w+)", outcome["error"])[:1]
     if core.get("failed") and "records" in core:
         distinct = {
             json.dumps({k: v for k, v in r.items() if k != "rank"}, sort_keys=True) for r in core["records"]
