@@ -17,7 +17,8 @@ pipe as its stdin. Everything else travels through files in the run folder:
 The **lifeline**: the launcher holds the only write end of a pipe whose read end every agent and
 worker holds (as stdin, or as the descriptor ``DDP_HELPERS_LIFELINE`` names). Each of them runs a
 thread that blocks reading it; end of file means the launcher closed it or died (even by SIGKILL),
-and the thread kills its own process group. Agent 0 first removes the run folder.
+and the thread kills its own process group. Agent 0 and every worker first remove the run folder: a warm
+launch's workers share their agent's process group, so whichever thread comes first kills the others.
 
 Stack dumps: the launcher sends ``STACK_SIGNAL`` to a rank, whose ``faulthandler`` writes every
 thread's stack to the rank's stderr.
