@@ -352,7 +352,10 @@ def test_a_rank_not_running_the_cell_is_blamed_only_when_a_peer_waits_in_a_colle
     waits = hung(0, CELL_DUMP)
     stuck, why = diagnose.culprits([waits, idle(1, "left out")], CELL)
     assert [r.rank for r in stuck] == [1] and "never reached the collective" in why
-    assert diagnose.describe_hung(idle(1, "left out"), CELL) == "rank 1 does not run this cell (--ranks left it out)"
+    assert (
+        diagnose.describe_hung(idle(1, "left out"), CELL)
+        == "rank 1 does not run this cell (--ranks left it out)"
+    )
     assert diagnose.describe_hung(idle(1), CELL) == "rank 1 had finished the cell and waits for the next one"
     assert diagnose.describe_hung(waits, CELL) == (
         "rank 0 waits in torch.distributed `all_reduce` called at <ranks cell 3>:2 in <module>"
