@@ -187,7 +187,7 @@ def test_code_shown_to_a_reader_parses(path):
         shown = [s for c in cells if c.cell_type == "markdown" for s in _shown_code(c.source)]
     else:
         code, shown = [], _shown_code(path.read_text())
-    for snippet in code + shown:
+    for snippet in code + [_python_of_cell(s) for s in shown]:  # shown code may be a cell, with %magics
         try:
             compile(snippet, path.name, "exec")
         except SyntaxError as err:
