@@ -23,6 +23,10 @@ _DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
 _NN_PARALLEL = f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}"
 _AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
 _OWN = f"{os.sep}ddp_helpers{os.sep}"
+_POINT_TO_POINT = {
+    "send": "recv",
+    "recv": "send",
+}  # blocking point-to-point calls, each with the one it waits for
 # DDP starts its gradient all-reduce from C++ inside autograd, so a rank waiting for it shows only backward().
 BACKWARD = "backward (DDP's gradient all-reduce runs inside it)"
 
@@ -270,6 +274,14 @@ def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecor
     spots = {(p.collective, p.script_frame.where() if p.script_frame else None) for p in places.values() if p}
     if len(spots) > 1:
         return rest, "the ranks wait in different collectives or at different lines: a mismatch"
+    ((call, _),) = spots
+    if call in _POINT_TO_POINT:
+        peer = _POINT_TO_POINT[call]
+        return rest, (
+            f"every rank waits in `{call}`, which returns only once its peer has called the matching "
+            f"`{peer}`: ranks that all {call} first wait for each other (use isend and irecv, or let even "
+            f"and odd ranks take turns)"
+        )
     return rest, (
         "every rank waits in the same collective: look for a peer outside this job or a network problem"
     )

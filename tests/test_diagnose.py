@@ -387,3 +387,12 @@ def test_the_cell_hang_kinds():
     assert watch.check(3.6, new_lines=False, every_rank_printed=True) == Hang("stall", 2, cell=True)
     failed = diagnose.failure_error(result(), {0: diagnose.RankRecord(0, exitcode=-9)}, note="Start again.")
     assert str(failed).splitlines()[-1] == "Start again." and failed.rank == 0
+
+
+def test_ranks_that_all_send_first_are_told_why_they_wait():
+    stuck, why = diagnose.culprits([waiting(0, "send", 14), waiting(1, "send", 14)], SCRIPT)
+    assert [r.rank for r in stuck] == [0, 1] and why.startswith(
+        "every rank waits in `send`, which returns"
+    ), why
+    assert "use isend and irecv" in why, why
+    assert "waits in `recv`" in diagnose.culprits([waiting(0, "recv"), waiting(1, "recv")], SCRIPT)[1]
