@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import gc
 import io
 import linecache
 import os
@@ -252,6 +253,8 @@ def main() -> None:
         serve(conn, namespace)
     finally:
         conn.close()
+        namespace.clear()  # what the cells made (a DDP wrapper) goes while its process group still exists
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -361,3 +361,16 @@ def test_in_a_real_kernel_interrupt_keeps_the_group_and_sigkill_leaves_nothing(t
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_stop_lets_every_rank_leave_cleanly_with_a_ddp_wrapper_alive(kernel_unchanged):
+    """A cell's DDP wrapper goes before the process group does, so every rank exits with code 0."""
+    from ddp_helpers import RankGroup
+
+    with RankGroup(2) as group:
+        group.run(
+            "from torch.nn.parallel import DistributedDataParallel as DDP\nddp = DDP(torch.nn.Linear(2, 2))"
+        )
+    assert group.closed and group.launch.agents.returncode() == 0, group.launch.agents.returncode()
+    records = {r.rank: r.record(agents_ok=True) for r in group.launch.ranks}
+    assert all(record.script_exit == 0 for record in records.values()), records
