@@ -1,4 +1,4 @@
-"""09_collectives.py: each collective of notebook 09 once; one JSON record per rank of what it held after."""
+"""10_collectives.py: each collective of notebook 10 once; one JSON record per rank of what it held after."""
 import json
 import os
 
