@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 _EXPORTS = {
     "torchrun": "ddp_helpers.launcher",
+    "sbatch": "ddp_helpers.slurm",
+    "SlurmJob": "ddp_helpers.slurm",
+    "SlurmResult": "ddp_helpers.slurm",
     "TorchrunError": "ddp_helpers.outcome",
     "JobFailedError": "ddp_helpers.outcome",
     "JobHungError": "ddp_helpers.outcome",
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         TorchrunResult,
     )
     from ddp_helpers.ranks import RankGroup  # noqa: F401
+    from ddp_helpers.slurm import SlurmJob, SlurmResult, sbatch  # noqa: F401
 
 
 def load_ipython_extension(ipython) -> None:

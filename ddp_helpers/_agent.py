@@ -18,7 +18,8 @@ from ddp_helpers import _protocol as protocol
 
 def main(argv: list[str], warm: bool = False) -> int:
     """Run torchrun with ``argv``; 0 if every worker succeeded, 1 (with the failure record written) if not."""
-    agent = int(os.environ.get(protocol.AGENT, "0"))
+    # Under srun (ddp_helpers.slurm) each node's agent is its node's index in the job.
+    agent = int(os.environ.get(protocol.AGENT) or os.environ.get("SLURM_NODEID") or 0)
     if warm:  # forked workers get /dev/null as stdin from multiprocessing: hand them the lifeline by number
         os.environ[protocol.LIFELINE] = str(os.dup(0))
     protocol.hold_lifeline(remove=os.environ.get(protocol.RUN_DIR) if agent == 0 else None)

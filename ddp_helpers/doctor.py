@@ -78,6 +78,32 @@ def check_python() -> Check:
     )
 
 
+def check_platform(system: str | None = None) -> Check:
+    """What the operating system allows: the series is tested on Linux (notebook 09 §8 has the rest)."""
+    system = system or platform.system()
+    if system == "Linux":
+        return Check(
+            "platform", "pass", "Linux: gloo on the CPU, NCCL on NVIDIA GPUs (the series is tested here)"
+        )
+    if system == "Darwin":
+        return Check(
+            "platform",
+            "warn",
+            "macOS: gloo on the CPU only (no NCCL; no backend handles MPS tensors); Python starts processes "
+            "with spawn here, so scripts need their __main__ guard",
+            "the notebooks run on the CPU as they are; notebook 09 §8 says what differs",
+        )
+    if system == "Windows":
+        return Check(
+            "platform",
+            "fail",
+            "Windows: gloo only (no NCCL), torchrun fails in builds without libuv, and the launcher needs "
+            "POSIX process groups",
+            "run the series under WSL 2 (a Linux build of torch); notebook 09 §8 explains",
+        )
+    return Check("platform", "warn", f"{system}: untested; the series is tested on Linux")
+
+
 def check_package(name: str) -> Check:
     """An installed package, compared with its pin in constraints.txt at the repository root."""
     if util.find_spec(name) is None:
@@ -318,6 +344,7 @@ def checks(timeout: float) -> list[tuple[str, Callable[[], Check]]]:
     packages = [(p, lambda p=p: check_package(p)) for p in ("torch", "torchvision", "jupyterlab")]
     return [
         ("python", check_python),
+        ("platform", check_platform),
         *packages,
         ("torch.distributed", check_distributed),
         ("network settings", check_network_settings),

@@ -13,6 +13,7 @@ from ddp_helpers import doctor
 
 NAMES = [
     "python",
+    "platform",
     "torch",
     "torchvision",
     "jupyterlab",
@@ -118,3 +119,13 @@ def test_a_crashing_check_becomes_a_failed_line(monkeypatch, capsys):
     out = capsys.readouterr()
     assert "✗ loopback ports: the check itself raised OSError: no sockets today" in out.out
     assert "✓ Jupyter kernel" in out.out and "Traceback" not in out.out + out.err
+
+
+def test_the_platform_line_says_what_each_system_allows():
+    assert doctor.check_platform("Linux").status == "pass"
+    mac = doctor.check_platform("Darwin")
+    assert mac.status == "warn" and "no NCCL" in mac.detail and "spawn" in mac.detail, mac
+    windows = doctor.check_platform("Windows")
+    assert windows.status == "fail" and "WSL 2" in windows.fix and "libuv" in windows.detail, windows
+    assert doctor.check_platform("FreeBSD").status == "warn"
+    assert [name for name, _ in doctor.checks(60)][:2] == ["python", "platform"]

@@ -122,13 +122,18 @@ def test_readme_commands_and_ci_agree():
     assert "site/" in (REPO / ".gitignore").read_text().splitlines()
 
 
-def test_the_site_config_is_written_by_a_yaml_library(tmp_path, monkeypatch):
-    """build_site.py's mkdocs.yml survives folder names YAML would misread if pasted into text (': ', '#')."""
+def _build_site():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("build_site", REPO / "tools" / "build_site.py")
     build_site = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_site)
+    return build_site
+
+
+def test_the_site_config_is_written_by_a_yaml_library(tmp_path, monkeypatch):
+    """build_site.py's mkdocs.yml survives folder names YAML would misread if pasted into text (': ', '#')."""
+    build_site = _build_site()
     odd = tmp_path / "a: b #c"
     (odd / "notebooks" / "zh-CN").mkdir(parents=True)
     (odd / "notebooks" / "zh-CN" / "00_x.ipynb").write_text("{}")
@@ -139,6 +144,35 @@ def test_the_site_config_is_written_by_a_yaml_library(tmp_path, monkeypatch):
     assert config["docs_dir"] == str(odd) and config["site_dir"] == str(odd / "site"), config
     assert config["nav"][1] == {"Notebooks": ["notebooks/00_x.ipynb"]}, config["nav"]
     assert config["nav"][3] == {"中文": ["README.zh-CN.md", "notebooks/zh-CN/00_x.ipynb", {"参考答案": []}]}
+
+
+def test_the_error_index_links_every_message_to_the_heading_of_its_section():
+    """The site's error index: one row per row of notebook 09's two tables, in both editions, each linking to
+    the heading id the section gets on its page; every lettered section of 09 is in the table."""
+    build_site = _build_site()
+    for folder in ("", "zh-CN/"):
+        atlas = nbformat.read(REPO / "notebooks" / folder / build_site.ATLAS, as_version=4)
+        table = next(c.source for c in atlas.cells if c.cell_type == "markdown" and "| 1a |" in c.source)
+        here = re.findall(r"^\| (\d+[a-z]?) \| ", table, re.M)
+        elsewhere = re.findall(r"^\| .+ \| \[\d\d §\d+[a-z]?\]\(\d\d_\w+\.ipynb\) \|$", table, re.M)
+        lettered = {s for s in build_site.heading_anchors(atlas) if re.fullmatch(r"\d+[a-z]", s)}
+        assert lettered <= set(here), f"{folder}09's table lacks sections {sorted(lettered - set(here))}"
+        links = re.findall(r"\]\(notebooks/([^#)]+)#([^)]+)\) \|$", build_site.error_index(folder), re.M)
+        assert len(links) == len(here) + len(elsewhere) and len(elsewhere) > 10, (folder, len(links))
+        for notebook, anchor in links:
+            page = nbformat.read(REPO / "notebooks" / notebook, as_version=4)
+            assert anchor in build_site.heading_anchors(page).values(), (notebook, anchor)
+
+
+def test_the_error_index_refuses_a_section_that_does_not_exist(tmp_path, monkeypatch):
+    build_site = _build_site()
+    atlas = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_markdown_cell("| 1a | `Some error` |\n\n## 1. Only")]
+    )
+    nbformat.write(atlas, tmp_path / build_site.ATLAS)
+    monkeypatch.setattr(build_site, "NOTEBOOKS", tmp_path)
+    with pytest.raises(SystemExit, match="no section 1a in 09_errors_learners_meet.ipynb"):
+        build_site.error_index()
 
 
 def test_readme_lists_every_notebook():

@@ -28,6 +28,24 @@ NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = ROOT / "build" / "executed"  # written by the test run (conftest.py) and by this script
 SOURCE = ROOT / "build" / "site-src"
 PAGES = ["README.md", "README.zh-CN.md", "SEED_POST.md", "WORKSHOP.md", "CONTRIBUTING.md"]
+# Notebook 09, the error atlas: its first two tables list every message the series reproduces, and where.
+ATLAS = "09_errors_learners_meet.ipynb"
+ERROR_PAGES = {"": "errors.md", "zh-CN/": "errors.zh-CN.md"}  # the error index, per edition (folder: page)
+ERROR_INTRO = {
+    "": (
+        "# Error index\n\nEvery error message this series reproduces, each linked to the section whose cells "
+        "reproduce it, say why it happens and prove the fix. Search this page (Ctrl+F, ⌘F) for the words "
+        "of your message: the numbers, names and paths in it vary from machine to machine. The list is made "
+        "from the tables at the top of notebook 09, the error atlas.\n\n"
+        "| the message, or what you see | where |\n|---|---|\n"
+    ),
+    "zh-CN/": (
+        "# 报错索引\n\n本系列复现过的每一条报错，都链接到复现它、说明原因并证明修复方法的那一节。在本页搜索"
+        "（Ctrl+F、⌘F）你看到的报错里的词即可：其中的数字、名称和路径因机器而异。这份列表由 notebook 09"
+        "（报错图鉴）开头的两张表格生成。\n\n"
+        "| 报错信息，或者你看到的现象 | 在哪里 |\n|---|---|\n"
+    ),
+}
 
 
 def english_notebooks() -> list[Path]:
@@ -93,6 +111,49 @@ def write_notebook(nb: nbformat.NotebookNode, target: Path) -> None:
     nbformat.write(nb, target)
 
 
+def heading_anchors(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """Section number ("1a", "3") -> the id its heading gets on the site: rendered by mkdocs-jupyter's own
+    Markdown renderer, so that the index links where the page's own heading links go."""
+    import mkdocs_jupyter.convert  # noqa: F401  (gives nbconvert's headings the ids the site's pages get)
+    from mkdocs_jupyter.nbconvert2 import custom_markdown2html
+
+    anchors: dict[str, str] = {}
+    for cell in nb.cells:
+        for line in cell.source.splitlines() if cell.cell_type == "markdown" else []:
+            number = re.match(r"#{2,3} (\d+[a-z]?)\. ", line)
+            if number and number[1] not in anchors:
+                anchors[number[1]] = re.search(r'id="([^"]+)"', custom_markdown2html(line))[1]
+    return anchors
+
+
+def error_index(folder: str = "") -> str:
+    """The error index of one edition ("" or "zh-CN/") as Markdown: every row of the atlas's two tables, each
+    message linked to its section's heading, in notebook 09 or in the notebook that reproduces it."""
+    atlas_path = NOTEBOOKS / folder / ATLAS
+    atlas = nbformat.read(atlas_path, as_version=4)
+    anchors = {ATLAS: heading_anchors(atlas)}
+    rows = []
+    table = next(c.source for c in atlas.cells if c.cell_type == "markdown" and "| 1a |" in c.source)
+    for first, second in re.findall(r"^\| (.+?) \| (.+?) \|$", table, re.M):
+        here = re.fullmatch(r"\d+[a-z]?", first)
+        elsewhere = re.fullmatch(r"\[(\d\d) §(\d+[a-z]?)\]\((\d\d_\w+\.ipynb)\)", second)
+        if here:  # | 1a | the message |: a section of notebook 09
+            message, notebook, section = second, ATLAS, first
+        elif elsewhere:  # | the message | [07 §1a](07_debugging.ipynb) |
+            message, notebook, section = first, elsewhere[3], elsewhere[2]
+        else:
+            continue  # a header or a separator row
+        if notebook not in anchors:
+            anchors[notebook] = heading_anchors(nbformat.read(NOTEBOOKS / folder / notebook, as_version=4))
+        if section not in anchors[notebook]:
+            raise SystemExit(f"{atlas_path.name}: no section {section} in {notebook}, which its table names")
+        link = f"notebooks/{folder}{notebook}#{anchors[notebook][section]}"
+        rows.append(f"| {message} | [{notebook[:2]} §{section}]({link}) |")
+    if not rows:
+        raise SystemExit(f"{atlas_path.name}: no table of messages found")
+    return ERROR_INTRO[folder] + "\n".join(rows) + "\n"
+
+
 def gather() -> list[str]:
     """Write the site's sources into build/site-src/ and return the navigation (paths relative to it)."""
     shutil.rmtree(SOURCE, ignore_errors=True)
@@ -106,6 +167,9 @@ def gather() -> list[str]:
         target = SOURCE / ("index.md" if page == "README.md" else page)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
+    for folder, page in ERROR_PAGES.items():
+        if (NOTEBOOKS / folder / ATLAS).is_file():
+            (SOURCE / page).write_text(error_index(folder), encoding="utf-8")
     nav = []
     for path in english_notebooks():
         rel = path.relative_to(ROOT)
@@ -146,6 +210,7 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
         if (SOURCE / p.replace("notebooks/", "notebooks/zh-CN/", 1)).is_file()
     ]
     scripts = sorted(f"notebooks/scripts/{p.name}" for p in (SOURCE / "notebooks" / "scripts").glob("*.md"))
+    errors = {folder: [page] if (SOURCE / page).is_file() else [] for folder, page in ERROR_PAGES.items()}
     config = {
         "site_name": "ddp-notebooks",
         "site_description": (
@@ -164,12 +229,13 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
         "markdown_extensions": ["tables", "fenced_code", "admonition"],
         "nav": [
             {"Home": "index.md"},
-            {"Notebooks": main},
+            {"Notebooks": main + errors[""]},
             {"Solutions": solutions},
             {
                 "中文": [
                     "README.zh-CN.md",
                     *[p for p in zh if "/solutions/" not in p],
+                    *errors["zh-CN/"],
                     {"参考答案": [p for p in zh if "/solutions/" in p]},
                 ]
             },

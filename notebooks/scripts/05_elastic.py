@@ -3,6 +3,7 @@ import argparse
 import datetime
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--crash-at-epoch", type=int, default=-1, help="rank 1 crashes here, unless resumed")
     parser.add_argument("--plain-init", action="store_true", help="init_process_group(backend) alone (see notebook 05)")
+    parser.add_argument("--hold-at-epoch", type=int, default=-1,
+                        help="wait at the start of this epoch until --hold-file exists (notebook 05 acts meanwhile)")
+    parser.add_argument("--hold-file", help="the file --hold-at-epoch waits for; an attempt that finds it goes on")
     args = parser.parse_args()
+    if args.hold_at_epoch >= 0 and not args.hold_file:
+        parser.error("--hold-at-epoch needs --hold-file, the file whose creation lets the ranks go on")
     rank, local_rank, world_size, device = setup(args.plain_init)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # 0, then 1 after a restart
 
@@ -80,11 +86,16 @@ def main() -> None:
         start_epoch = snapshot["epochs_done"]
     ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     print(json.dumps({"rank": rank, "event": "start", "attempt": attempt, "start_epoch": start_epoch,
-                      "master_port": int(os.environ["MASTER_PORT"])}), flush=True)  # where this attempt's store is
+                      "world_size": world_size, "master_port": int(os.environ["MASTER_PORT"])}),
+          flush=True)  # master_port: where this attempt's store is
 
     for epoch in range(start_epoch, args.num_epochs):
         if epoch == args.crash_at_epoch and start_epoch == 0 and rank == 1:  # a resumed attempt is past it
             raise RuntimeError(f"rank {rank} crashes at epoch {epoch} on purpose")
+        if epoch == args.hold_at_epoch and not os.path.exists(args.hold_file):
+            print(json.dumps({"rank": rank, "event": "held", "attempt": attempt, "epoch": epoch}), flush=True)
+            while not os.path.exists(args.hold_file):  # until the notebook has done what it holds the job for
+                time.sleep(0.1)
         x, y = batch_for(epoch, rank, args.batch_size, device)
         loss = torch.nn.functional.mse_loss(ddp_model(x), y)
         optimizer.zero_grad()

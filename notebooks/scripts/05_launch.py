@@ -13,6 +13,7 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
                       "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NODEID", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID")  # under srun
 
 
 def tcp_connections() -> set[tuple[int, int]] | None:
@@ -79,7 +80,7 @@ def main() -> None:
         batch = torch.tensor([args.batch_size], device=device)
         dist.all_reduce(batch)  # the global batch: the sum of every process's batch
         record.update(sum=value.item(), batch_size=args.batch_size, global_batch=int(batch.item()), env=env,
-                      tcp_opened=opened)
+                      tcp_opened=opened, slurm={name: os.environ.get(name) for name in SLURM_VARIABLES})
         print(json.dumps(record), flush=True)
         if args.crash:
             os._exit(1)  # like a killed job: no destroy_process_group, nothing cleaned up
