@@ -49,7 +49,8 @@ ERROR_INTRO = {
 
 
 def english_notebooks() -> list[Path]:
-    return sorted(NOTEBOOKS.glob("0*.ipynb")) + sorted((NOTEBOOKS / "solutions").glob("0*.ipynb"))
+    pattern = "[0-9][0-9]_*.ipynb"  # 00 to 99
+    return sorted(NOTEBOOKS.glob(pattern)) + sorted((NOTEBOOKS / "solutions").glob(pattern))
 
 
 def code(nb: nbformat.NotebookNode) -> list[str]:
