@@ -172,23 +172,7 @@ def _plan(
     stall_timeout = _check_seconds("stall_timeout", stall_timeout)
     grace = _check_grace(grace)
     torchrun_args = _check_flags(torchrun_args)
-    if env is not None and not isinstance(env, Mapping):
-        raise TypeError(f"env must be a dict of variables such as {{'NCCL_DEBUG': 'INFO'}}, not {env!r}")
-    for name, flag in (("show_agent", show_agent), ("warm", warm)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, not {flag!r}")
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
-    run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-    if not os.path.isdir(run_cwd):
-        raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
-    script = os.fspath(script)
-    script_path = os.path.join(run_cwd, script)
-    if not os.path.isfile(script_path):
-        raise FileNotFoundError(
-            f"script {script!r} not found (looked for {script_path}). Write it first "
-            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
-        )
+    script, script_path, run_cwd = _check_job(script, cwd, env, backend, show_agent=show_agent, warm=warm)
     world_size = nproc_per_node * nnodes
     shown = _live_ranks(live, world_size)
     cores = os.cpu_count() or 1
@@ -680,6 +664,34 @@ class _Lines:
 
 
 # ---- small helpers -------------------------------------------------------------------------------------
+
+
+def _check_job(
+    script: str | os.PathLike,
+    cwd: str | os.PathLike | None,
+    env: object,
+    backend: object,
+    **flags: object,
+) -> tuple[str, str, str]:
+    """The checks torchrun() and sbatch() share; the script as given, its path and the run's folder."""
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(f"env must be a dict of variables such as {{'NCCL_DEBUG': 'INFO'}}, not {env!r}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, not {flag!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
+    run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
+    if not os.path.isdir(run_cwd):
+        raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
+    script = os.fspath(script)
+    script_path = os.path.join(run_cwd, script)
+    if not os.path.isfile(script_path):
+        raise FileNotFoundError(
+            f"script {script!r} not found (looked for {script_path}). Write it first "
+            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
+        )
+    return script, script_path, run_cwd
 
 
 def _check_count(name: str, value: object) -> int:

@@ -36,6 +36,7 @@ from ddp_helpers.launcher import (
     POLL_INTERVAL,
     _check_count,
     _check_flags,
+    _check_job,
     _check_seconds,
     _flush,
     _Lines,
@@ -192,26 +193,11 @@ def _plan(
     stall_timeout = _check_seconds("stall_timeout", stall_timeout)
     torchrun_args = _check_flags(torchrun_args)
     sbatch_args = _check_flags(sbatch_args)
-    if env is not None and not isinstance(env, Mapping):
-        raise TypeError(f"env must be a dict of variables such as {{'NCCL_DEBUG': 'INFO'}}, not {env!r}")
-    if not isinstance(show_agent, bool):
-        raise TypeError(f"show_agent must be True or False, not {show_agent!r}")
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
+    script, script_path, run_cwd = _check_job(script, cwd, env, backend, show_agent=show_agent)
     if shutil.which("sbatch") is None:
         raise FileNotFoundError(
             "sbatch is not on PATH: this machine is not a SLURM login node. Run sbatch() where `sbatch` "
             "works (on a cluster's login node), or torchrun() to run on this machine."
-        )
-    run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-    if not os.path.isdir(run_cwd):
-        raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
-    script = os.fspath(script)
-    script_path = os.path.join(run_cwd, script)
-    if not os.path.isfile(script_path):
-        raise FileNotFoundError(
-            f"script {script!r} not found (looked for {script_path}). Write it first "
-            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
         )
     world_size = nodes * nproc_per_node
     shown = _live_ranks(live, world_size)

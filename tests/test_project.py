@@ -280,6 +280,9 @@ def test_setup_copies_agree_or_differ_only_as_listed():
     assert {"05_elastic.py", "06_train.py", "08_train.py"} <= set(joins) and len(set(joins.values())) == 1, (
         f"the copies of join_process_group differ: {sorted(joins)}"
     )
+    scripts = REPO / "notebooks" / "scripts"
+    reports = {ast.dump(_functions(scripts / name)["report"]) for name in ("05_launch.py", "05_elastic.py")}
+    assert len(reports) == 1, "the copies of report() (one record, one write) in 05's scripts differ"
     saves = {
         p.name: ast.dump(_functions(p)["save_atomically"])
         for p in SCRIPTS

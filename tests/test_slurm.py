@@ -1,10 +1,9 @@
-"""The practice SLURM cluster of tools/slurm_cluster.sh: two nodes idle, and a batch job of one torchrun per
-node (c10d rendezvous at the first node's name) that forms one gloo group across the nodes and leaves nothing
-behind.
+"""ddp_helpers.sbatch() on the practice SLURM cluster of tools/slurm_cluster.sh (two nodes, a torchrun on
+each): a good job, a failing rank, a timeout and an interrupt, each leaving nothing behind; its pure parts.
 
-Without the cluster these tests skip in one line; with DDP_REQUIRE_SLURM=1 (.ci/run sets it) they fail
-instead.
-They run only on the practice cluster (its slurm.conf carries the script's mark), never on a real one."""
+Notebook 05 section 7 runs the batch scripts a reader copies on the same cluster and asserts, per node, where
+each rank ran; these tests do not repeat it. Without the cluster they skip in one line; with
+DDP_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead. They never submit to a real cluster."""
 
 from __future__ import annotations
 
@@ -12,87 +11,22 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 from ddp_test_support import REPO
 
-CONF = Path("/etc/slurm/slurm.conf")
-MARK = (
-    "# written by ddp-notebooks tools/slurm_cluster.sh"  # tools/slurm_cluster.sh: the first line of its conf
-)
 NODES = ["node1", "node2"]
 HELLO = REPO / "notebooks" / "scripts" / "00_hello.py"
 WAIT = 300  # seconds: only bounds a failure (a hung job is cancelled and named), never part of a result
 
-# Runs in each torchrun worker: says where torchrun and SLURM put this rank, then runs 00_hello.py unchanged.
-WHERE = """\
-import json, os, runpy, sys
-keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE",
-        "SLURMD_NODENAME", "SLURM_NODEID")
-print(json.dumps({{"where": {{k: os.environ.get(k) for k in keys}}}}), flush=True)
-sys.argv = [{hello!r}]
-runpy.run_path({hello!r}, run_name="__main__")
-"""
-
-# What a reader would submit: one torchrun per node (srun starts one task per node), all meeting at the
-# first node of the allocation. Per-node output files (srun's %n: the node's index in the job) keep their
-# lines apart.
-BATCH = """\
-#!/bin/bash
-#SBATCH --job-name={name}
-#SBATCH --nodes=2
-#SBATCH --ntasks-per-node=1
-#SBATCH --time=5
-#SBATCH --output={out}/batch.out
-set -euo pipefail
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun --output={out}/node-%n.out {torchrun} --nnodes=2 --nproc-per-node=1 \\
-  --rdzv-backend=c10d --rdzv-endpoint="$head:{port}" --rdzv-id="$SLURM_JOB_ID" {where}
-"""
-
-
-def _run(*cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def node_states() -> dict[str, str]:
-    out = _run("sinfo", "-h", "-N", "-o", "%N %t").stdout
-    return dict(line.split() for line in out.splitlines() if line.strip())
-
-
-def cluster_missing() -> str | None:
-    """Why the practice cluster cannot be used here, or None when it answers."""
-    if shutil.which("sbatch") is None:
-        return "no SLURM on this machine: `sudo tools/slurm_cluster.sh up` starts a practice cluster"
-    if not CONF.exists():
-        return "no practice SLURM cluster is up: `sudo tools/slurm_cluster.sh up` starts one"
-    try:
-        first = CONF.read_text().splitlines()[0]
-    except (OSError, IndexError):
-        first = ""
-    if not first.startswith(MARK):  # a real cluster's configuration: never submit test jobs to it
-        return f"this machine's SLURM is not the practice cluster ({CONF} is not tools/slurm_cluster.sh's)"
-    try:
-        states = node_states()
-    except subprocess.TimeoutExpired:
-        states = {}
-    if sorted(states) != NODES:
-        return (
-            f"the practice SLURM cluster does not answer (sinfo: {states}): `sudo tools/slurm_cluster.sh up`"
-        )
-    return None
-
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = cluster_missing()
+    from ddp_helpers.slurm import practice_cluster_missing
+
+    reason = practice_cluster_missing()
     if reason is not None:
         if os.environ.get(
             "DDP_REQUIRE_SLURM"
@@ -101,161 +35,16 @@ def cluster():
         pytest.skip(reason)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def marked_processes(token: str) -> list[str]:
-    """Live processes whose environment carries this test's token: the job's shell, srun, torchrun, ranks."""
-    marker = f"DDP_SLURM_TEST={token}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{entry}: {cmdline}")
-        except OSError:
-            continue
-    return found
-
-
-FINISHED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "OUT_OF_MEMORY",
-}
-
-
-def wait_for_end(job_id: str, name: str) -> tuple[str, str]:
-    """The job's final state and exit code, as slurmctld reports them once it has ended.
-
-    slurmctld keeps a finished job for MinJobAge, 300 s by default. Polled here every 0.2 s: `sbatch --wait`
-    polls too, but after 2 s, 8 s and then every 32 s (src/sbatch/sbatch.c, _job_wait), which would add up to
-    half a minute to a ten-second job."""
-    end = time.monotonic() + WAIT
-    while True:
-        shown = _run("scontrol", "show", "job", "-o", job_id).stdout
-        state = re.search(r"\bJobState=(\S+)", shown)
-        if state and state[1] in FINISHED:
-            return state[1], re.search(r"\bExitCode=(\S+)", shown)[1]
-        if time.monotonic() > end:
-            pytest.fail(
-                f"job {name} ({job_id}) did not end within {WAIT}s: {shown.strip()} (the fixture cancels it)"
-            )
-        time.sleep(0.2)
-
-
-def queued(name: str) -> list[str]:
-    return _run("squeue", "-h", "-n", name, "-o", "%i %T").stdout.split("\n")[:-1]
-
-
-def wait_until(condition, within: float = WAIT):
-    """Poll ``condition`` until it returns something falsy; return its last answer."""
-    end = time.monotonic() + within
-    while (answer := condition()) and time.monotonic() < end:
-        time.sleep(0.2)
-    return answer
-
-
-@pytest.fixture
-def job(tmp_path: Path, cluster):
-    """A uniquely named job and the token its processes carry; afterwards: cancelled if still queued, and
-    neither it nor any of its processes may be left."""
-    token = uuid.uuid4().hex[:12]
-    name = f"ddp-test-{token}"
-    yield name, token
-    if queued(name):
-        _run("scancel", "-n", name)
-    left_queued = wait_until(lambda: queued(name))
-    left = wait_until(lambda: marked_processes(token), within=60)
-    for line in left:  # a rank outlived its job: stop it, and fail below with its name
-        try:
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert left_queued == [], f"job {name} still in squeue after scancel: {left_queued}"
-    assert left == [], f"processes of job {name} outlived it: {left}"
-
-
 def test_both_nodes_idle(cluster):
-    states = wait_until(lambda: {n: s for n, s in node_states().items() if s != "idle"}, within=WAIT)
-    assert states == {}, f"not idle: {states}"
-    assert sorted(node_states()) == NODES
+    from ddp_helpers.slurm import _slurm, wait_until
 
+    def busy() -> dict[str, str]:
+        shown = _slurm("sinfo", "-h", "-N", "-o", "%N %t").stdout
+        return {
+            node: state for node, state in (line.split() for line in shown.splitlines()) if state != "idle"
+        }
 
-def test_torchrun_per_node_forms_one_group(job, tmp_path: Path):
-    name, token = job
-    torchrun = Path(sys.executable).with_name("torchrun")  # the venv's, as the reader's job would call it
-    where_py = tmp_path / "where.py"
-    where_py.write_text(WHERE.format(hello=str(HELLO)))
-    batch = tmp_path / "job.sbatch"
-    batch.write_text(
-        BATCH.format(name=name, out=tmp_path, torchrun=torchrun, port=free_port(), where=where_py)
-    )
-    env = {
-        **os.environ,
-        "DDP_SLURM_TEST": token,
-        "DDP_BACKEND": "gloo",
-    }  # sbatch exports it all (--export=ALL)
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", str(batch)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    state, exit_code = wait_for_end(job_id, name)
-    outputs = {p.name: p.read_text() for p in tmp_path.glob("*.out")}
-    assert (state, exit_code) == ("COMPLETED", "0:0"), (
-        f"job {name} ({job_id}): {state} {exit_code}\n{outputs}"
-    )
-
-    assert {"node-0.out", "node-1.out"} <= set(outputs), outputs
-    records = {}  # SLURM's node name -> the JSON records of the torchrun (one srun task) that ran there
-    for index in (0, 1):
-        lines = outputs[f"node-{index}.out"].splitlines()
-        found = [json.loads(line) for line in lines if line.startswith("{")]
-        placed = [r["where"] for r in found if "where" in r]
-        summed = [r for r in found if "sum" in r]
-        assert len(placed) == 1 and len(summed) == 1, found  # one rank per node, one step
-        assert placed[0]["SLURM_NODEID"] == str(index)  # the file srun wrote for that node
-        records[placed[0]["SLURMD_NODENAME"]] = placed[0], summed[0]
-    assert sorted(records) == NODES, records  # one torchrun ran on each node
-
-    assert sorted(hello["rank"] for _, hello in records.values()) == [
-        0,
-        1,
-    ]  # which node gets rank 0: not asserted
-    for where, hello in records.values():
-        assert hello["world_size"] == 2 and hello["backend"] == "gloo"
-        assert hello["sum"] == 3.0  # all_reduce of rank + 1 over ranks 0 and 1: one group across both nodes
-        assert int(where["RANK"]) == hello["rank"] and where["LOCAL_RANK"] == "0"
-        # One worker per node: torchrun's global rank is the sum of the local world sizes of the agents before
-        # this one in group-rank order (torch/distributed/elastic/agent/server/api.py, _assign_worker_ranks).
-        assert int(where["GROUP_RANK"]) == hello["rank"]
-        assert where["WORLD_SIZE"] == "2" and where["GROUP_WORLD_SIZE"] == "2"
-
-    assert wait_until(lambda: queued(name)) == [], f"job {name} still in squeue"
-    assert wait_until(lambda: marked_processes(token), within=60) == [], "ranks outlived the job"
+    assert wait_until(busy, within=WAIT) == {}, "a node of the practice cluster is not idle"
 
 
 # ---- ddp_helpers.slurm: the pure parts, without SLURM ----------------------------------------------------

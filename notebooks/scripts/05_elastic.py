@@ -3,6 +3,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 
 import torch
@@ -28,6 +29,12 @@ def join_process_group(backend: str, **options) -> None:
     attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
     dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), **options)
+
+
+def report(record: dict) -> None:
+    """One JSON record, one line, one write: under torchrun print() writes a line and its newline apart (05 §7)."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 def setup(plain_init: bool) -> tuple[int, int, int, torch.device]:
@@ -85,15 +92,14 @@ def main() -> None:
         optimizer.load_state_dict(snapshot["optimizer"])  # momentum too: the run continues exactly
         start_epoch = snapshot["epochs_done"]
     ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    print(json.dumps({"rank": rank, "event": "start", "attempt": attempt, "start_epoch": start_epoch,
-                      "world_size": world_size, "master_port": int(os.environ["MASTER_PORT"])}),
-          flush=True)  # master_port: where this attempt's store is
+    report({"rank": rank, "event": "start", "attempt": attempt, "start_epoch": start_epoch,
+            "world_size": world_size, "master_port": int(os.environ["MASTER_PORT"])})  # where this attempt's store is
 
     for epoch in range(start_epoch, args.num_epochs):
         if epoch == args.crash_at_epoch and start_epoch == 0 and rank == 1:  # a resumed attempt is past it
             raise RuntimeError(f"rank {rank} crashes at epoch {epoch} on purpose")
         if epoch == args.hold_at_epoch and not os.path.exists(args.hold_file):
-            print(json.dumps({"rank": rank, "event": "held", "attempt": attempt, "epoch": epoch}), flush=True)
+            report({"rank": rank, "event": "held", "attempt": attempt, "epoch": epoch})
             while not os.path.exists(args.hold_file):  # until the notebook has done what it holds the job for
                 time.sleep(0.1)
         x, y = batch_for(epoch, rank, args.batch_size, device)
@@ -104,12 +110,11 @@ def main() -> None:
         if rank == 0:
             save_snapshot(args.snapshot, model, optimizer, epochs_done=epoch + 1)
         dist.barrier()  # nobody starts the next epoch before this epoch's snapshot exists
-        print(json.dumps({"rank": rank, "event": "epoch", "attempt": attempt, "epoch": epoch,
-                          "loss": loss.item()}), flush=True)
+        report({"rank": rank, "event": "epoch", "attempt": attempt, "epoch": epoch, "loss": loss.item()})
 
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().tolist()
-    print(json.dumps({"rank": rank, "event": "done", "attempt": attempt, "global_batch": args.batch_size * world_size,
-                      "weights": weights}))
+    report({"rank": rank, "event": "done", "attempt": attempt, "global_batch": args.batch_size * world_size,
+            "weights": weights})
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 from urllib.parse import urlparse
 
@@ -14,6 +15,12 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
                       "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NODEID", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID")  # under srun
+
+
+def report(record: dict) -> None:
+    """One JSON record, one line, one write: under torchrun print() writes a line and its newline apart (05 §7)."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 def tcp_connections() -> set[tuple[int, int]] | None:
@@ -81,7 +88,7 @@ def main() -> None:
         dist.all_reduce(batch)  # the global batch: the sum of every process's batch
         record.update(sum=value.item(), batch_size=args.batch_size, global_batch=int(batch.item()), env=env,
                       tcp_opened=opened, slurm={name: os.environ.get(name) for name in SLURM_VARIABLES})
-        print(json.dumps(record), flush=True)
+        report(record)
         if args.crash:
             os._exit(1)  # like a killed job: no destroy_process_group, nothing cleaned up
         dist.destroy_process_group()
