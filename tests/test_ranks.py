@@ -270,6 +270,15 @@ def test_a_rank_that_dies_ends_the_group_with_the_launchers_diagnosis(shell, ran
     shell.run_line_magic("ranks", "start -n 2")
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as in a Jupyter kernel, even where this process inherited it ignored
+    (as a suite started with `cmd &` does: Python then installs no handler); restored afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _interrupt_when(paths: list[Path]) -> threading.Thread:
     """SIGINT this process, as Jupyter's Interrupt does a kernel, once every path exists (the ranks are in the
     cell: the magic is waiting for them)."""
@@ -285,7 +294,7 @@ def _interrupt_when(paths: list[Path]) -> threading.Thread:
     return thread
 
 
-def test_an_interrupt_stops_the_cell_and_keeps_the_group(ranks, tmp_path, capsys):
+def test_an_interrupt_stops_the_cell_and_keeps_the_group(sigint_raises, ranks, tmp_path, capsys):
     _interrupt_when([tmp_path / "in0", tmp_path / "in1"])
     with pytest.raises(KeyboardInterrupt):
         ranks(f"import time\nopen(f'{tmp_path}/in{{rank}}', 'w').close()\ntime.sleep(600)")
@@ -295,7 +304,7 @@ def test_an_interrupt_stops_the_cell_and_keeps_the_group(ranks, tmp_path, capsys
     assert ranks("rank") == {0: 0, 1: 1}, "the group still runs"
 
 
-def test_an_interrupt_a_rank_in_a_collective_cannot_answer_is_a_hang(shell, ranks, tmp_path):
+def test_an_interrupt_a_rank_in_a_collective_cannot_answer_is_a_hang(sigint_raises, shell, ranks, tmp_path):
     _interrupt_when([tmp_path / "in0"])
     with pytest.raises(JobHungError) as info:
         ranks(f"if rank == 0:\n    open('{tmp_path}/in0', 'w').close()\n    dist.barrier()\nrank")
