@@ -104,7 +104,7 @@ parser.add_argument("--solutions", action="store_true", help="also the solutions
 parser.add_argument("--jobs", type=int, default=5, help="notebooks run at once")
 parser.add_argument("--notebook-timeout", type=int, default=420, help="seconds for one notebook")
 parser.add_argument(
-    "--notebook-glob", default="0*.ipynb", help="which notebooks (in notebooks/ and solutions/)"
+    "--notebook-glob", default="[0-9][0-9]_*.ipynb", help="which notebooks (in notebooks/ and solutions/)"
 )
 parser.add_argument("--only", nargs="*", help="run only the checks whose names contain one of these words")
 cli = parser.parse_args()

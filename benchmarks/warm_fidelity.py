@@ -154,6 +154,7 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
         {"nproc_per_node": 2, "backend": "gloo"},
         ["runs/fidelity09"],
     ),
+    ("10_collectives.py", [], {"nproc_per_node": 2}, []),
 ]
 
 

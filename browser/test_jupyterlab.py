@@ -1,6 +1,6 @@
 """JupyterLab in a real browser, as a learner uses it: notebook 00 opened by the README's command, Run All,
 rank lines arriving while the job runs, no error output but the notebook's own, and an interrupted job that
-leaves nothing behind."""
+leaves nothing behind; then %%ranks cells, one of them interrupted, and %ranks stop leaving nothing."""
 
 from __future__ import annotations
 
@@ -147,4 +147,70 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
     _menu(page, "Kernel", "Interrupt Kernel")
     hang.get_by_text("ddp_helpers: interrupted").wait_for(timeout=600_000)
     assert "nothing is left running" in hang.inner_text(), hang.inner_text()[-1500:]
+    assert unit_helpers.wait_for_no_leftovers(kernel, within=60) == []
+
+
+RANKS_CELLS = [
+    "import os\nprint('kernel', os.getpid())\n%load_ext ddp_helpers\n%ranks start -n 2",
+    "%%ranks\nprint('hello from', rank)\nrank * 10",
+    "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)",
+    "%%ranks\nrank * 2",
+    "%ranks stop",
+]
+
+
+def test_ranks_cells_run_live_in_jupyterlab_and_an_interrupt_keeps_the_group(
+    chromium, lab, tmp_path, unit_helpers
+):
+    """%%ranks from a real browser: a cell's per-rank lines and value, Kernel → Interrupt on a cell the ranks
+    are running (they stop, the group runs on), and %ranks stop leaving nothing."""
+    import nbformat
+
+    server, address = lab
+    spec = {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}}
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(c) for c in RANKS_CELLS], metadata=spec
+    )
+    nbformat.write(notebook, tmp_path / "lab" / "notebooks" / "ranks_check.ipynb")
+    origin = re.match(r"http://127\.0\.0\.1:\d+", address)[0]
+    page = chromium.new_page()
+    connected = []  # as above: wait for the kernel's first reply before running anything
+    page.on(
+        "websocket",
+        lambda ws: ws.on(
+            "framereceived",
+            lambda frame: connected.append(
+                b"kernel_info_reply" in (frame if isinstance(frame, bytes) else frame.encode())
+            ),
+        ),
+    )
+    page.goto(f"{origin}/lab/tree/notebooks/ranks_check.ipynb")
+    cells = page.locator(".jp-Notebook:visible .jp-Cell")  # this notebook's: 00 is open in a hidden tab too
+    cells.first.wait_for(timeout=600_000)
+    deadline = time.monotonic() + 600  # a safety net only: each wait below is for an event
+    while not any(connected) and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+    assert any(connected), "the notebook's kernel never connected"
+
+    _menu(page, "Run", "Run All Cells")
+    cells.nth(2).get_by_text("[rank 1] sleeping").wait_for(timeout=600_000)
+    # still running: its lines are live
+    assert cells.nth(2).locator(".jp-InputArea-prompt").inner_text() == "[*]:"
+    kernel = int(re.search(r"kernel (\d+)", cells.nth(0).inner_text())[1])
+    value = cells.nth(1).inner_text()
+    assert "[rank 0] hello from 0" in value and "[rank 1] hello from 1" in value and "{0: 0, 1: 10}" in value
+    _menu(page, "Kernel", "Interrupt Kernel")
+    cells.nth(2).get_by_text("the group still runs").wait_for(timeout=600_000)
+    assert "rank(s) 0, 1 stopped the cell" in cells.nth(2).inner_text(), cells.nth(2).inner_text()[-1500:]
+
+    # The cell's reply must be in first: the kernel aborts requests queued when a cell fails (Run All's rest).
+    prompt = cells.nth(2).locator(".jp-InputArea-prompt")
+    while prompt.inner_text() == "[*]:" and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+    assert re.fullmatch(r"\[\d+\]:", prompt.inner_text()), prompt.inner_text()
+    cells.nth(3).click()  # Run All stopped at the interrupt: run the last two cells by hand
+    page.keyboard.press("Shift+Enter")
+    cells.nth(3).get_by_text("{0: 0, 1: 2}").wait_for(timeout=600_000)
+    page.keyboard.press("Shift+Enter")
+    cells.nth(4).get_by_text("stopped 2 rank(s)").wait_for(timeout=600_000)
     assert unit_helpers.wait_for_no_leftovers(kernel, within=60) == []

@@ -17,7 +17,8 @@ pipe as its stdin. Everything else travels through files in the run folder:
 The **lifeline**: the launcher holds the only write end of a pipe whose read end every agent and
 worker holds (as stdin, or as the descriptor ``DDP_HELPERS_LIFELINE`` names). Each of them runs a
 thread that blocks reading it; end of file means the launcher closed it or died (even by SIGKILL),
-and the thread kills its own process group. Agent 0 first removes the run folder.
+and the thread kills its own process group. Agent 0 and every worker first remove the run folder: a warm
+launch's workers share their agent's process group, so whichever thread comes first kills the others.
 
 Stack dumps: the launcher sends ``STACK_SIGNAL`` to a rank, whose ``faulthandler`` writes every
 thread's stack to the rank's stderr.
@@ -26,6 +27,17 @@ Warm launches (``_warm``) talk over a Unix stream socket in **messages**: a 4-by
 that many bytes of JSON (``pack_message``; ``MessageReader`` reads them back, however the stream splits them).
 A launch sends one request (with three file descriptors) and receives ``{"pid": N}`` or ``{"error": ...}``,
 then ``{"exit": code}`` when the agent ends; ``{"count_gpus": true}`` (no descriptors) gets ``{"gpus": N}``.
+
+A **rank group** (``ranks.RankGroup``, behind the ``%ranks`` magics) is a launch whose script is
+``ddp_helpers/_repl.py``, kept open across notebook cells. The kernel listens on ``cells.sock`` in the run
+folder (``cells_socket``); each rank, once its process group is initialised, connects (retrying until the
+socket is there) and sends ``{"ready": rank, "pid", "backend", "device"}``. Then, in the same messages, the
+kernel sends each chosen rank ``{"cell": n, "code", "filename", "max_bytes"}`` and the rank answers, after
+flushing its stdout and stderr (so the kernel has every line of the cell once it has the reply), with one of
+``{"cell": n, "value": base64 pickle, "type"}``, ``{"cell": n, "error": text, "summary"}`` (its traceback, or
+why its value cannot come back) or ``{"cell": n, "interrupted": true, "error": text, "summary"}``. SIGINT
+interrupts the cell a rank runs, and is ignored between cells. A rank whose connection reaches end of file
+(``%ranks stop``) leaves its process group and exits.
 """
 
 from __future__ import annotations
@@ -51,6 +63,11 @@ STACK_SIGNAL = signal.SIGUSR1  # a rank dumps every thread's stack to its stderr
 def rank_file(run_dir: str, rank: int, kind: str) -> str:
     """``rank{r}.stdout``, ``.stderr`` or ``.status`` in the run folder."""
     return os.path.join(run_dir, f"rank{rank}.{kind}")
+
+
+def cells_socket(run_dir: str) -> str:
+    """``cells.sock`` in the run folder: where a rank group's kernel waits for its ranks."""
+    return os.path.join(run_dir, "cells.sock")
 
 
 def agent_file(run_dir: str, agent: int, kind: str) -> str:
@@ -104,11 +121,11 @@ def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
 
 
 _HEADER = struct.Struct("!I")
-MAX_MESSAGE = 1 << 24  # a request is its argv and environment: far below this
+MAX_MESSAGE = 1 << 24  # a request is its argv and environment, a cell's value at most 8 MiB: below this
 
 
 def pack_message(message: dict) -> bytes:
-    """One message of the warm socket: its length, then its JSON."""
+    """One message of the warm or the cells socket: its length, then its JSON."""
     payload = json.dumps(message).encode()
     return _HEADER.pack(len(payload)) + payload
 

@@ -57,7 +57,8 @@ def main(argv: list[str]) -> None:
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         time=time.time(),
     )
-    protocol.hold_lifeline()
+    # The rank removes the run folder too: a warm rank shares its agent's process group, either may go first.
+    protocol.hold_lifeline(remove=run_dir)
 
     sys.argv = [argv[0], *argv[1:]]
     sys.path[0] = os.path.dirname(script)

@@ -13,6 +13,7 @@ import re
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunResult
 
@@ -22,6 +23,10 @@ _DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
 _NN_PARALLEL = f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}"
 _AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
 _OWN = f"{os.sep}ddp_helpers{os.sep}"
+_POINT_TO_POINT = {
+    "send": "recv",
+    "recv": "send",
+}  # blocking point-to-point calls, each with the one it waits for
 # DDP starts its gradient all-reduce from C++ inside autograd, so a rank waiting for it shows only backward().
 BACKWARD = "backward (DDP's gradient all-reduce runs inside it)"
 
@@ -51,6 +56,8 @@ class RankRecord:
     exitcode: int | None = None  # how its process ended; None: unknown (stopped before anyone recorded it)
     alive: bool = False  # (a hang) its process still ran when the hang was caught
     stack: str | None = None  # (a hang) its faulthandler dump of every thread; None: none came back
+    # (a %%ranks cell's hang) why the rank was not running the cell: it had "finished", or --ranks "left out"
+    idle: Literal["finished", "left out"] | None = None
 
     @property
     def failed(self) -> bool:
@@ -121,14 +128,18 @@ def describe_failure(record: RankRecord) -> str:
     return f"raised {record.raised}, then {describe_exit(record.exitcode)} while shutting down"
 
 
-def failure_error(result: TorchrunResult, records: Mapping[int, RankRecord]) -> JobFailedError:
-    """The error for a job that failed: the rank to blame first, how it ended and its own last traceback."""
+def failure_error(
+    result: TorchrunResult, records: Mapping[int, RankRecord], note: str = ""
+) -> JobFailedError:
+    """The error for a job that failed: the rank to blame first, how it ended and its own last traceback;
+    ``note``, if any, is its last line."""
     failed = sorted((r for r in records.values() if r.failed), key=blame_order)
+    end = f"\n{note}" if note else ""
     if not failed:
         tail = "\n".join(result.agent_output[-20:])
         return JobFailedError(
             f"torchrun itself failed (exit code {result.returncode}) before any rank "
-            f"reported an error. Its last lines:\n{tail}",
+            f"reported an error. Its last lines:\n{tail}{end}",
             result,
         )
     first, others = failed[0], sorted(failed[1:], key=lambda r: r.rank)
@@ -147,7 +158,7 @@ def failure_error(result: TorchrunResult, records: Mapping[int, RankRecord]) -> 
     tb = last_traceback(result.stderr[first.rank])
     body = "\n".join(tb) if tb else "(rank wrote nothing to stderr)"
     return JobFailedError(
-        f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}",
+        f"{head}.\n--- rank {first.rank} stderr (last traceback) ---\n{body}{end}",
         result,
         rank=first.rank,
         exitcode=first.exitcode,
@@ -160,11 +171,14 @@ def failure_error(result: TorchrunResult, records: Mapping[int, RankRecord]) -> 
 class Watch:
     """When a running job counts as hung: its wall-clock ``timeout`` passed since ``start``, or every rank has
     printed and then no rank printed anything for ``stall_timeout`` seconds. It is told the time, so a test
-    can be its clock."""
+    can be its clock. For a ``%%ranks`` cell (``cell``) the caller counts a rank's reply as a line, and every
+    rank as having printed from the cell's start."""
 
-    def __init__(self, start: float, timeout: float | None, stall_timeout: float | None):
+    def __init__(
+        self, start: float, timeout: float | None, stall_timeout: float | None, *, cell: bool = False
+    ):
         self.deadline = None if timeout is None else start + timeout
-        self.timeout, self.stall_timeout = timeout, stall_timeout
+        self.timeout, self.stall_timeout, self.cell = timeout, stall_timeout, cell
         self.last_line = start
 
     def check(self, now: float, new_lines: bool, every_rank_printed: bool) -> Hang | None:
@@ -172,13 +186,13 @@ class Watch:
         if new_lines:
             self.last_line = now
         if self.deadline is not None and now > self.deadline:
-            return Hang("timeout", self.timeout)
+            return Hang("timeout", self.timeout, self.cell)
         if (
             self.stall_timeout is not None
             and every_rank_printed
             and now - self.last_line > self.stall_timeout
         ):
-            return Hang("stall", self.stall_timeout)
+            return Hang("stall", self.stall_timeout, self.cell)
         return None
 
 
@@ -218,6 +232,10 @@ def _where(record: RankRecord, script: str) -> Place | None:
 def describe_hung(record: RankRecord, script: str) -> str:
     """One line on where a rank was when the job was caught hanging."""
     r = record.rank
+    if record.idle == "finished":
+        return f"rank {r} had finished the cell and waits for the next one"
+    if record.idle == "left out":
+        return f"rank {r} does not run this cell (--ranks left it out)"
     if not record.started:
         return f"rank {r} never started its script (still launching or importing)"
     if not record.alive:
@@ -239,28 +257,41 @@ def describe_hung(record: RankRecord, script: str) -> str:
 
 
 def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecord], str]:
-    """Pick the ranks that caused a hang, and say why in one line."""
+    """Pick the ranks that caused a hang, and say why in one line. A rank not running a ``%%ranks`` cell
+    (``idle``) is to blame only when a peer waits in a collective: it will never join it."""
     places = {r.rank: _where(r, script) for r in records}
     exited = [r for r in records if not r.alive or r.script_exit is not None]
-    rest = [r for r in records if r not in exited]
+    idle = [r for r in records if r.idle and r not in exited]
+    rest = [r for r in records if r not in exited and r not in idle]
+    if any(places[r.rank] is not None and places[r.rank].collective for r in rest):
+        exited += idle
     busy = [r for r in rest if places[r.rank] is not None and not places[r.rank].collective]
     silent = [r for r in rest if places[r.rank] is None]
     if exited or busy:
         return exited + busy, "the stuck rank(s) never reached the collective their peers wait in"
     if silent:
         return silent, "no stack dump came back from these rank(s)"
-    spots = {(p.collective, p.script_frame.where() if p.script_frame else None) for p in places.values()}
+    spots = {(p.collective, p.script_frame.where() if p.script_frame else None) for p in places.values() if p}
     if len(spots) > 1:
-        return list(records), "the ranks wait in different collectives or at different lines: a mismatch"
-    return list(records), (
+        return rest, "the ranks wait in different collectives or at different lines: a mismatch"
+    ((call, _),) = spots
+    if call in _POINT_TO_POINT:
+        peer = _POINT_TO_POINT[call]
+        return rest, (
+            f"every rank waits in `{call}`, which returns only once its peer has called the matching "
+            f"`{peer}`: ranks that all {call} first wait for each other (use isend and irecv, or let even "
+            f"and odd ranks take turns)"
+        )
+    return rest, (
         "every rank waits in the same collective: look for a peer outside this job or a network problem"
     )
 
 
 def hang_error(
-    result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str
+    result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str, note: str = ""
 ) -> JobHungError:
-    """The error for a hung job: the rank(s) that caused it, from the stack dumps, and where the rest wait."""
+    """The error for a hung job: the rank(s) that caused it, from the stack dumps, and where the rest wait;
+    ``note``, if any, is its last line."""
     stuck, why = culprits(records, script)
     lines = [f"{hang}; stuck: " + ", ".join(f"rank {r.rank}" for r in stuck) + f" ({why})."]
     lines += [f"  {describe_hung(r, script)}" for r in stuck]
@@ -268,9 +299,13 @@ def hang_error(
     if waiting:
         lines.append("Waiting for them:")
         lines += [f"  {describe_hung(r, script)}" for r in waiting]
-    dumped = [r.rank for r in stuck + waiting if r.alive and r.stack]  # a culprit's dump first
+    # A culprit's dump first, but one running the script (or cell): an idle rank's shows only the rank REPL.
+    dumped = sorted((r for r in stuck + waiting if r.alive and r.stack), key=lambda r: r.idle is not None)
+    dumped = [r.rank for r in dumped]
     show = f": print(err.stacks[{dumped[0]}])" if dumped else ""
     lines.append(f"Every rank was killed. The stack dumps are on the error{show}; the logs on err.result.")
+    if note:
+        lines.append(note)
     stacks = {r.rank: r.stack or "" for r in records if r.alive}
     return JobHungError(
         "\n".join(lines), result, hang=hang, stuck_ranks=[r.rank for r in stuck], stacks=stacks

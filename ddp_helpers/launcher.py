@@ -561,14 +561,17 @@ class _Rank:
     def __init__(self, run_dir: str, rank: int, live: bool):
         self.rank = rank
         prefix = f"[rank {rank}] "
-        self.stdout = _Lines(
-            protocol.rank_file(run_dir, rank, "stdout"), prefix, sys.stdout if live else None
-        )
-        self.stderr = _Lines(
-            protocol.rank_file(run_dir, rank, "stderr"), prefix, sys.stderr if live else None
-        )
+        self.stdout = _Lines(protocol.rank_file(run_dir, rank, "stdout"), prefix)
+        self.stderr = _Lines(protocol.rank_file(run_dir, rank, "stderr"), prefix)
+        self.show(live)
         self._status = _Lines(protocol.rank_file(run_dir, rank, "status"))
         self.events: list[dict] = []  # the status file's events so far (_protocol: start, exception, exit)
+
+    def show(self, live: bool) -> None:
+        """Echo the lines that arrive from now on to this moment's sys.stdout and sys.stderr, or (not
+        ``live``) only keep them. A rank group calls it at each cell: a cell's output may have moved."""
+        self.stdout.out = sys.stdout if live else None
+        self.stderr.out = sys.stderr if live else None
 
     def poll(self) -> bool:
         """Read what arrived; True if the rank wrote a new line of output."""
@@ -633,10 +636,7 @@ class _Lines:
 
     def finish(self) -> list[str]:
         """The last lines, a final one without its newline included; the file is closed after."""
-        new = self.poll()
-        if self._partial:
-            new += self._emit([self._partial])
-            self._partial = b""
+        new = self.end_line()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -646,6 +646,14 @@ class _Lines:
     def mute(self) -> None:
         """Keep the lines that arrive from now on, without echoing them."""
         self.out = None
+
+    def end_line(self) -> list[str]:
+        """A last line that has no newline yet, as a line of its own (a cell's output ends there)."""
+        new = self.poll()
+        if self._partial:
+            new += self._emit([self._partial])
+            self._partial = b""
+        return new
 
     def _emit(self, raw: list[bytes]) -> list[str]:
         new = [b.decode("utf-8", errors="replace").removesuffix("\r") for b in raw]

@@ -2,9 +2,11 @@
 
 ``JobFailedError``: a rank failed (``.rank`` names the one to blame, ``.exitcode`` how it ended), or torchrun
 itself did before any rank reported an error (``.rank`` is None). ``JobHungError``: the job was stopped
-because it hung; ``.hang`` says how it was caught (``Hang``: a timeout or a stall, with its seconds),
-``.stuck_ranks`` whom to blame and ``.stacks`` where every rank was. ``except TorchrunError`` catches both.
-Torch-free.
+because it hung; ``.hang`` says how it was caught (``Hang``: a timeout, a stall, or a ``%%ranks`` cell that
+some rank did not stop when interrupted, with its seconds), ``.stuck_ranks`` whom to blame and ``.stacks``
+where every rank was. ``except TorchrunError`` catches both. A live rank group (``ranks``) raises them too
+when it ends; ``CellError`` is what a ``%%ranks`` cell raises when its code fails on some ranks while the
+group runs on. Torch-free.
 """
 
 from __future__ import annotations
@@ -57,14 +59,21 @@ class TorchrunResult:
 @dataclass(frozen=True)
 class Hang:
     """How a job was caught hanging: its wall-clock ``timeout=`` passed, or it stalled (every rank had
-    printed, then none printed anything for ``stall_timeout=`` seconds)."""
+    printed, then none printed anything for ``stall_timeout=`` seconds); in a ``%%ranks`` cell (``cell``) a
+    stall counts from the cell's start and its replies too, and ``interrupt`` means some rank had not stopped
+    the cell ``seconds`` after the interrupt reached it."""
 
-    kind: Literal["timeout", "stall"]
+    kind: Literal["timeout", "stall", "interrupt"]
     seconds: float
+    cell: bool = False
 
     def __str__(self) -> str:
         if self.kind == "timeout":
             return f"timed out after {self.seconds:g} s"
+        if self.kind == "interrupt":
+            return f"interrupted, and not every rank had stopped the cell {self.seconds:g} s later"
+        if self.cell:
+            return f"stalled: no rank printed a line or finished the cell for {self.seconds:g} s"
         return f"stalled: every rank had printed, then none printed anything for {self.seconds:g} s"
 
 
@@ -118,3 +127,19 @@ class JobHungError(TorchrunError):
         self.hang = hang
         self.stuck_ranks = list(stuck_ranks)
         self.stacks = dict(stacks)
+
+
+class CellError(RuntimeError):
+    """A ``%%ranks`` cell failed on some ranks: it raised there, or its value could not come back. The
+    group still runs. ``.errors``: each such rank's traceback (or why its value could not come back), also
+    shown above the error; ``.values``: what the other ranks returned; ``.rank``: the first failed rank."""
+
+    def __init__(self, message: str, *, errors: Mapping[int, str], values: Mapping[int, object]):
+        super().__init__(message)
+        self.errors = dict(errors)
+        self.values = dict(values)
+        self.rank = min(self.errors)
+
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows it: the message only; each rank's own traceback is already in the cell."""
+        return [f"{type(self).__name__}: {self}"]

@@ -323,3 +323,76 @@ def test_last_traceback_folds_torchs_inner_frames_and_keeps_where_it_raised():
     assert diagnose.last_traceback(one) == one  # a torch frame that is the innermost is kept
     middle = lines[:5] + ['  File "/work/model.py", line 4, in forward', "    x.relu_()"] + lines[-1:]
     assert "  ... (1 frame inside torch)" in diagnose.last_traceback(middle)
+
+
+# ---- a %%ranks cell's hang (ddp_helpers.ranks): ranks that are not running the cell -----------------------
+
+CELL = "<ranks cell 3>"
+CELL_DUMP = """Current thread 0x00007f0000000002 (most recent call first):
+  File "/site/torch/distributed/distributed_c10d.py", line 3913 in all_reduce
+  File "/site/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "<ranks cell 3>", line 2 in <module>
+  File "/site/ddp_helpers/_repl.py", line 150 in run_cell
+"""
+CELL_BUSY = """Current thread 0x00007f0000000002 (most recent call first):
+  File "<ranks cell 3>", line 4 in <module>
+  File "/site/ddp_helpers/_repl.py", line 150 in run_cell
+"""
+IDLE_DUMP = """Current thread 0x00007f0000000002 (most recent call first):
+  File "/site/ddp_helpers/_protocol.py", line 140 in receive
+  File "/site/ddp_helpers/_repl.py", line 198 in serve
+"""
+
+
+def idle(rank: int, why: str = "finished") -> diagnose.RankRecord:
+    return diagnose.RankRecord(rank, started=True, alive=True, stack=IDLE_DUMP, idle=why)
+
+
+def test_a_rank_not_running_the_cell_is_blamed_only_when_a_peer_waits_in_a_collective():
+    waits = hung(0, CELL_DUMP)
+    stuck, why = diagnose.culprits([waits, idle(1, "left out")], CELL)
+    assert [r.rank for r in stuck] == [1] and "never reached the collective" in why
+    assert (
+        diagnose.describe_hung(idle(1, "left out"), CELL)
+        == "rank 1 does not run this cell (--ranks left it out)"
+    )
+    assert diagnose.describe_hung(idle(1), CELL) == "rank 1 had finished the cell and waits for the next one"
+    assert diagnose.describe_hung(waits, CELL) == (
+        "rank 0 waits in torch.distributed `all_reduce` called at <ranks cell 3>:2 in <module>"
+    )
+    busy = hung(0, CELL_BUSY)  # a rank busy in the cell (say, sleeping): the finished one is no culprit
+    assert diagnose.culprits([busy, idle(1)], CELL)[0] == [busy]
+    assert diagnose.culprits([hung(0), idle(1)], CELL)[0] == [hung(0)], "a silent rank, not the idle one"
+
+
+def test_a_cell_hang_message_points_at_a_dump_of_the_cell_and_ends_with_the_note():
+    records = [hung(0, CELL_DUMP), idle(1)]
+    err = diagnose.hang_error(result(), Hang("stall", 2, cell=True), records, CELL, note="Start again.")
+    lines = str(err).splitlines()
+    assert lines[0] == (
+        "stalled: no rank printed a line or finished the cell for 2 s; stuck: rank 1 (the stuck rank(s) "
+        "never reached the collective their peers wait in)."
+    ), lines
+    assert "print(err.stacks[0])" in lines[-2], "rank 0's dump shows the cell; rank 1's only the REPL"
+    assert lines[-1] == "Start again." and err.stuck_ranks == [1] and err.hang.kind == "stall"
+
+
+def test_the_cell_hang_kinds():
+    assert str(Hang("interrupt", 3, cell=True)) == (
+        "interrupted, and not every rank had stopped the cell 3 s later"
+    )
+    assert Hang("interrupt", 3).kind == "interrupt" and Hang("stall", 2) != Hang("stall", 2, cell=True)
+    watch = diagnose.Watch(start=0.0, timeout=None, stall_timeout=2, cell=True)
+    assert watch.check(1.5, new_lines=True, every_rank_printed=True) is None  # a reply counts as a line
+    assert watch.check(3.6, new_lines=False, every_rank_printed=True) == Hang("stall", 2, cell=True)
+    failed = diagnose.failure_error(result(), {0: diagnose.RankRecord(0, exitcode=-9)}, note="Start again.")
+    assert str(failed).splitlines()[-1] == "Start again." and failed.rank == 0
+
+
+def test_ranks_that_all_send_first_are_told_why_they_wait():
+    stuck, why = diagnose.culprits([waiting(0, "send", 14), waiting(1, "send", 14)], SCRIPT)
+    assert [r.rank for r in stuck] == [0, 1] and why.startswith(
+        "every rank waits in `send`, which returns"
+    ), why
+    assert "use isend and irecv" in why, why
+    assert "waits in `recv`" in diagnose.culprits([waiting(0, "recv"), waiting(1, "recv")], SCRIPT)[1]

@@ -146,6 +146,21 @@ def test_the_site_config_is_written_by_a_yaml_library(tmp_path, monkeypatch):
     assert config["nav"][3] == {"中文": ["README.zh-CN.md", "notebooks/zh-CN/00_x.ipynb", {"参考答案": []}]}
 
 
+def test_the_site_has_a_page_for_every_notebook_the_markdown_pages_link_to():
+    """Every notebook (00 to 99) and every solutions notebook is gathered as a page of the site: mkdocs turns
+    a Markdown page's link into a link to the page only when the target is one, and leaves the others
+    pointing at nothing (a glob of 0* left notebook 10 out, and the README's link to it broken)."""
+    build_site = _build_site()
+    solutions = sorted((REPO / "notebooks" / "solutions").glob("*.ipynb"))
+    gathered = {p.relative_to(REPO).as_posix() for p in build_site.english_notebooks()}
+    assert gathered == {p.relative_to(REPO).as_posix() for p in NOTEBOOKS + solutions}, sorted(gathered)
+    for page in build_site.PAGES:
+        text = (REPO / page).read_text(encoding="utf-8")
+        for target in re.findall(r"\]\((notebooks/[^)#\s]+\.ipynb)", text):
+            assert target.replace("notebooks/zh-CN/", "notebooks/", 1) in gathered, (page, target)
+            assert (REPO / target).is_file(), (page, target)
+
+
 def test_the_error_index_links_every_message_to_the_heading_of_its_section():
     """The site's error index: one row per row of notebook 09's two tables, in both editions, each linking to
     the heading id the section gets on its page; every lettered section of 09 is in the table."""
@@ -221,7 +236,7 @@ def test_code_shown_to_a_reader_parses(path):
         shown = [s for c in cells if c.cell_type == "markdown" for s in _shown_code(c.source)]
     else:
         code, shown = [], _shown_code(path.read_text())
-    for snippet in code + shown:
+    for snippet in code + [_python_of_cell(s) for s in shown]:  # shown code may be a cell, with %magics
         try:
             compile(snippet, path.name, "exec")
         except SyntaxError as err:

@@ -49,7 +49,8 @@ ERROR_INTRO = {
 
 
 def english_notebooks() -> list[Path]:
-    return sorted(NOTEBOOKS.glob("0*.ipynb")) + sorted((NOTEBOOKS / "solutions").glob("0*.ipynb"))
+    pattern = "[0-9][0-9]_*.ipynb"  # 00 to 99
+    return sorted(NOTEBOOKS.glob(pattern)) + sorted((NOTEBOOKS / "solutions").glob(pattern))
 
 
 def code(nb: nbformat.NotebookNode) -> list[str]:
@@ -257,11 +258,22 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "site"))
     args = parser.parse_args()
     config = mkdocs_config(gather(), Path(args.out).resolve())
+    # --strict: a warning fails the build, above all a Markdown page's link to a file that is not among the
+    # pages (mkdocs leaves such a link as it is: README's link to a notebook the site left out pointed at
+    # nothing). Not --quiet: it sets mkdocs' log level above its warnings, so strict mode would never see one.
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--config-file", str(config)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config)],
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
     )
-    if done.returncode == 0:
+    if done.returncode != 0:  # mkdocs' warnings and errors, without its INFO messages (and their lines)
+        shown, info = [], False
+        for line in (done.stdout + done.stderr).splitlines():
+            info = line.startswith("INFO") or (info and line.startswith(" "))
+            shown += [] if info else [line]
+        print("\n".join(shown), file=sys.stderr)
+    else:
         print(f"site written to {args.out}: open {Path(args.out) / 'index.html'}")
     return done.returncode
 
