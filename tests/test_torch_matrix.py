@@ -197,6 +197,37 @@ def test_notebook_verdicts():
         "error": "no answer within 300 s",
     }
     assert tm.notebook_verdict(PASSED, "", None) == {"status": "pass"}
+    # version-specific cells run on (raises-exception): every one that failed is listed, and a later cell's
+    # failure is still the verdict
+    vs = tm.VERSION_SPECIFIC
+    ran_on = _nb([_code([error], tags=[vs]), MD, _code(), _code([hang], tags=[vs])])
+    assert tm.notebook_verdict(PASSED, "", ran_on) == {
+        "status": "version-specific",
+        "cell": 0,
+        "error": "cell 0: AssertionError: the last line; cell 3: timed out after 120 s; stuck: rank 0.",
+        "cells": [0, 3],
+    }
+    stopped = _nb([_code([error], tags=[vs]), _code([crash]), _code(replied=False)])
+    assert tm.notebook_verdict(FAILED, "", stopped) == {
+        "status": "fail",
+        "cell": 1,
+        "error": "rank 1: AttributeError: no record_event",
+        "version_specific": False,
+        "cells": [0],
+    }
+
+
+def test_version_specific_cells_are_let_fail_and_nothing_else_changes():
+    nb = _nb([_code(tags=[tm.VERSION_SPECIFIC]), _code(tags=["other"]), MD])
+    out = json.loads(tm.let_version_specific_cells_fail(json.dumps(nb)))
+    assert [c["metadata"].get("tags") for c in out["cells"]] == [
+        [tm.VERSION_SPECIFIC, "raises-exception"],
+        ["other"],
+        None,
+    ]
+    assert tm.let_version_specific_cells_fail(tm.let_version_specific_cells_fail(json.dumps(nb))) == (
+        tm.let_version_specific_cells_fail(json.dumps(nb))
+    )
 
 
 def _row(torch_version, tv, notebooks=None, cases=None, date="2026-12-01"):

@@ -634,9 +634,31 @@ def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
 
 
+def let_version_specific_cells_fail(text: str) -> str:
+    """A notebook's JSON with its version-specific cells also tagged ``raises-exception`` (nbclient's tag):
+    nbmake records such a cell's error and runs on, so one run shows every cell that fails, not the first."""
+    nb = json.loads(text)
+    for cell in nb.get("cells", []):
+        tags = cell.get("metadata", {}).get("tags", [])
+        if VERSION_SPECIFIC in tags and "raises-exception" not in tags:
+            tags.append("raises-exception")
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def _error_of(output: Mapping[str, Any]) -> tuple[str, bool]:
+    """One line for an error output of a cell, and whether it was a hang."""
+    lines = [ln.strip() for ln in _plain(str(output.get("evalue", ""))).splitlines() if ln.strip()] or [""]
+    hang = output.get("ename") == "JobHungError" or bool(re.match(r"(timed out after|stalled)", lines[0]))
+    if output.get("ename", "").endswith(("TorchrunError", "JobFailedError", "JobHungError")):
+        return error_line({"error": "\n".join(lines), "hung": hang})[:300], hang
+    return f"{output.get('ename', '')}: {lines[-1]}".rstrip(": ")[:300], hang
+
+
 def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What one nbmake run of one notebook says: {"status": pass | fail | hang | error, "cell", "error",
-    "version_specific"}; ``nb`` is the executed notebook (None if nbmake wrote none)."""
+    """What one nbmake run of one notebook says: {"status": pass | version-specific | fail | hang | error,
+    "cell", "error", "version_specific", "cells"}; ``nb``: the executed notebook (None if nbmake wrote none).
+    Version-specific cells run on when they fail (``let_version_specific_cells_fail``): a notebook whose only
+    failures are there is "version-specific", with those cells; any other failing cell is the verdict."""
     cells = (nb or {}).get("cells", [])
     unanswered = next(
         (
@@ -647,36 +669,34 @@ def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, An
         ),
         None,
     )
+    errors = {  # cell index -> (its error's line, a hang?, version-specific?)
+        i: (*_error_of(out), VERSION_SPECIFIC in c.get("metadata", {}).get("tags", []))
+        for i, c in enumerate(cells)
+        if c.get("cell_type") == "code"
+        for out in c.get("outputs", [])
+        if out.get("output_type") == "error"
+    }
+    listed = sorted(i for i, (_, _, tagged) in errors.items() if tagged)
+    extra = {"cells": listed} if listed else {}
     timed_out = ("CellTimeoutError", "A cell timed out while it was being executed")  # nbmake's words for it
     if done["timed_out"] or any(words in log_text for words in timed_out):
         limit = re.search(r"after (\d+) seconds", log_text)
         why = (
             f"no answer within {limit[1]} s" if limit and not done["timed_out"] else "the run's time ran out"
         )
-        return {"status": "hang", "cell": unanswered, "error": why}
+        return {"status": "hang", "cell": unanswered, "error": why, **extra}
     if done["rc"] == 0:
-        return {"status": "pass"}
-    for i in reversed(range(len(cells))):
-        for output in cells[i].get("outputs", []) if cells[i].get("cell_type") == "code" else []:
-            if output.get("output_type") != "error":
-                continue
-            lines = [
-                ln.strip() for ln in _plain(str(output.get("evalue", ""))).splitlines() if ln.strip()
-            ] or [""]
-            hang = output.get("ename") == "JobHungError" or re.match(r"(timed out after|stalled)", lines[0])
-            if output.get("ename", "").endswith(("TorchrunError", "JobFailedError", "JobHungError")):
-                line = error_line({"error": "\n".join(lines), "hung": bool(hang)})
-            else:
-                line = f"{output.get('ename', '')}: {lines[-1]}".rstrip(": ")
-            tags = cells[i].get("metadata", {}).get("tags", [])
-            return {
-                "status": "hang" if hang else "fail",
-                "cell": i,
-                "error": line[:300],
-                "version_specific": VERSION_SPECIFIC in tags,
-            }
+        if not listed:
+            return {"status": "pass"}
+        text = "; ".join(f"cell {i}: {errors[i][0]}" for i in listed)
+        return {"status": "version-specific", "cell": listed[0], "error": text[:600], **extra}
+    if errors:  # the run stopped at the last cell that failed: the cells tagged before it ran on
+        i = max(errors)
+        line, hang, tagged = errors[i]
+        verdict = {"status": "hang" if hang else "fail", "cell": i, "error": line, "version_specific": tagged}
+        return {**verdict, **extra}
     tail = [ln for ln in _plain(log_text).splitlines() if ln.strip()][-2:]
-    return {"status": "error", "cell": None, "error": " / ".join(tail)[-240:]}
+    return {"status": "error", "cell": None, "error": " / ".join(tail)[-240:], **extra}
 
 
 def slurm_missing(python: Path) -> str | None:
@@ -717,9 +737,10 @@ def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeou
             rel,
         ]
         before = (SRC / rel).read_text()
+        (SRC / rel).write_text(let_version_specific_cells_fail(before))
         done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
         after = (SRC / rel).read_text()
-        executed = json.loads(after) if after != before else None
+        executed = json.loads(after) if after != let_version_specific_cells_fail(before) else None
         if executed is not None:
             shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
             (SRC / rel).write_text(
@@ -892,9 +913,14 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
                 skipped = v.get("slurm_not_run")
                 why = f"{row['torch']}, {column}: the SLURM cells did not submit jobs: {skipped}"
                 cells.append("pass, SLURM cells not run " + note(why) if skipped else "pass")
+            elif v["status"] == "version-specific":
+                listed = v.get("cells") or [v["cell"]]
+                where = f"cell{'s' * (len(listed) > 1)} {', '.join(map(str, listed))}"
+                why = f"{row['torch']}, {column}: {v['error']}"
+                cells.append(f"version-specific in {where} " + note(why))
             else:
                 what = {"fail": "fails", "hang": "hangs", "error": "error"}[v["status"]]
-                if v.get("version_specific"):
+                if v.get("version_specific"):  # a result stored before version-specific cells ran on
                     what = "version-specific"
                 where = f" in cell {v['cell']}" if v.get("cell") is not None else ""
                 cells.append(f"{what}{where} " + note(f"{row['torch']}, {column}: {v.get('error', '')}"))
