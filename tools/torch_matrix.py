@@ -1,7 +1,7 @@
 """Run the series on other torch releases: a cached environment per minor version, a table of what breaks.
 
     python tools/torch_matrix.py [2.M ...] [--floor] [--notebooks [--solutions]] [--only NN ...] [--check]
-                                 [--warm-only] [--keep-envs] [--save-sources] [--write-readme]
+                                 [--warm-only] [--keep-envs] [--save-sources] [--write-readme] [--prepare]
     python tools/torch_matrix.py --table [--write-readme]
 
 Versions: the ones named, ``--floor`` (the floor pyproject.toml declares, ``torch>=2.M``), or by default
@@ -33,7 +33,8 @@ Results: ``.cache/torch-matrix/results/torch-2.M.json`` (a rerun of some noteboo
 the table goes to stdout and, with ``--write-readme``, into README.md and README.zh-CN.md between
 ``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs, with ``--floor
 --warm-only``) runs the pinned version's scripts as well, warm, as the reference, and exits 1 unless every
-case passes on every version run.
+case passes on every version run. ``--prepare`` only makes the environments (the pinned version needs none
+here); CI runs it beside the test suite, so that the floor check after the suite finds its environment ready.
 
 Why a script of our own and not nox: nox would make and reuse the environments (about 30 lines here), but not
 pair torchvision with torch, limit a child's time, kill what a hung notebook leaves behind, remove 6 GB
@@ -1034,6 +1035,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds a notebook cell may take")
     parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds a notebook may take")
     parser.add_argument("--scripts-timeout", type=float, default=3600, help="seconds all scripts may take")
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="only make (or find) each version's environment for the scripts; run nothing (CI, beforehand)",
+    )
     parser.add_argument("--table", action="store_true", help="only show (and write) the stored results")
     parser.add_argument("--write-readme", action="store_true", help="write the table into both READMEs")
     args = parser.parse_args(argv)
@@ -1063,11 +1069,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else resolve(minor, torches)
             )
             ran.append(pair["minor"])
+            if args.prepare:
+                if pair["torchvision"] is not None and pair["torch"] != pinned["torch"]:
+                    _, info = ensure_env(pair, notebooks=args.notebooks)
+                    how = "reused" if info["reused"] else f"installed in {info['install_seconds']} s"
+                    print(f"  {pair['minor']}: environment {info['env']}: {how}", flush=True)
+                continue
             if pair["torchvision"] is None:
                 print(f"  {pair['minor']}: {pair['why']}", flush=True)
                 store({**pair, "date": today(), "source": tree_source()})
                 continue
             run_version(pair, args, pinned)
+    if args.prepare:
+        return 0
     rows = [r for r in load_results() if minor_of(r["minor"]) >= declared_floor()]  # older: kept, not shown
     table = render_table(rows, pinned)
     print(table)
