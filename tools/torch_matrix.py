@@ -759,7 +759,9 @@ def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeou
         print(
             f"    {rel}: {verdict['status']}"
             + (
-                f" in cell {verdict.get('cell')}: {verdict.get('error')}"
+                f": {verdict['error']}"  # it names each cell
+                if verdict["status"] == "version-specific"
+                else f" in cell {verdict.get('cell')}: {verdict.get('error')}"
                 if verdict["status"] != "pass"
                 else ""
             )
