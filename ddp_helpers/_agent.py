@@ -23,6 +23,12 @@ def main(argv: list[str], warm: bool = False) -> int:
     if warm:  # forked workers get /dev/null as stdin from multiprocessing: hand them the lifeline by number
         os.environ[protocol.LIFELINE] = str(os.dup(0))
     protocol.hold_lifeline(remove=os.environ.get(protocol.RUN_DIR) if agent == 0 else None)
+    if os.environ.get(protocol.RUN_DIR):
+        # torch's agent makes a log folder for every launch (tempfile.mkdtemp(prefix="torchelastic_")) and
+        # never removes it: put it in the run folder, which goes with the launch (warm ranks reset this)
+        import tempfile
+
+        tempfile.tempdir = os.environ[protocol.RUN_DIR]
     import torch.distributed.run as torchrun_module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
