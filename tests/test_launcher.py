@@ -638,6 +638,22 @@ PROBE = """
 """
 
 
+PARENT_THREADS = """
+    import json, os
+    with open(f"/proc/{os.getppid()}/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    print(json.dumps({"parent_threads": threads}))
+"""
+
+
+def test_a_warm_rank_is_forked_from_a_process_with_one_thread(script, tmp_path):
+    """A fork copies the locks other threads hold, and the agent runs several (the store servers, the
+    keep-alive): a rank forked from it hung now and then in getaddrinfo, on the resolver's lock."""
+    script(PARENT_THREADS, name="threads.py")
+    result = torchrun("threads.py", cwd=tmp_path, nproc_per_node=2, live=False, warm=True)
+    assert [r["parent_threads"] for r in result.records()] == [1, 1], result.records()
+
+
 def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
     script(PROBE, name="probe.py")
     runs = {
