@@ -20,8 +20,18 @@ def main(argv: list[str], warm: bool = False) -> int:
     """Run torchrun with ``argv``; 0 if every worker succeeded, 1 (with the failure record written) if not."""
     # Under srun (ddp_helpers.slurm) each node's agent is its node's index in the job.
     agent = int(os.environ.get(protocol.AGENT) or os.environ.get("SLURM_NODEID") or 0)
+    if os.environ.get(protocol.RUN_DIR):
+        # torch's agent makes a log folder for every launch (tempfile.mkdtemp(prefix="torchelastic_")) and
+        # never removes it, nor does a forked agent remove multiprocessing's (pymp-*): put them in the run
+        # folder, which goes with the launch (warm ranks reset this)
+        import tempfile
+
+        tempfile.tempdir = os.environ[protocol.RUN_DIR]
     if warm:  # forked workers get /dev/null as stdin from multiprocessing: hand them the lifeline by number
         os.environ[protocol.LIFELINE] = str(os.dup(0))
+        from ddp_helpers import _internals
+
+        _internals.start_zygote()  # first, while this process has one thread: the ranks are forked from it
     protocol.hold_lifeline(remove=os.environ.get(protocol.RUN_DIR) if agent == 0 else None)
     import torch.distributed.run as torchrun_module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -49,6 +59,9 @@ def main(argv: list[str], warm: bool = False) -> int:
         ranks = ", ".join(f"rank {r} (exit {v['exitcode']})" for r, v in sorted(failures.items()))
         print(f"torchrun: workers failed: {ranks}", file=sys.stderr)
         return 1
+    finally:
+        if warm:
+            _internals.stop_zygote()
     return 0
 
 

@@ -2,9 +2,10 @@
 
 Why: a cold launch starts three Python processes that each import torch (seconds each); forking from a
 process that already imported it costs milliseconds. The agent is torch's own: ``_agent.main(warm=True)``
-runs ``torch.distributed.run`` with the very flags a cold launch passes, only the workers are forked
-(``start_method="fork"``) and run the worker wrapper as a function instead of as ``python -m``; the torch
-internals this takes are in ``_internals``, checked before the warm process says it is ready.
+runs ``torch.distributed.run`` with the very flags a cold launch passes, only the workers are forked (from a
+single-threaded fork of the agent, ``_internals.start_zygote``) and run the worker wrapper as a function
+instead of as ``python -m``; the torch internals this takes are in ``_internals``, checked before the warm
+process says it is ready.
 
 The **warm process** (``python -u -m ddp_helpers._warm SOCKET``) imports torch and torchvision, touches
 neither CUDA nor threads of its own, listens on a Unix socket in a private folder, and exits when its

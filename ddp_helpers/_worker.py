@@ -121,6 +121,9 @@ def _like_a_fresh_process() -> None:
         except (OSError, ValueError):
             pass
 
+    import tempfile
+
+    tempfile.tempdir = None  # the agent's choice (its run folder); a fresh interpreter reads TMPDIR
     if MAIN_PROCESS is not None:  # the warm process's own "MainProcess": what a fresh interpreter reports
         MAIN_PROCESS.restore()
     random.seed()  # a fresh interpreter seeds these from the OS, each process its own

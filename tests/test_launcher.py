@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
@@ -79,6 +80,26 @@ def test_env_and_cwd(script, tmp_path):
     (record,) = result.records()
     assert record["FOO"] == "3" and os.path.realpath(record["cwd"]) == os.path.realpath(tmp_path)
     assert "FOO" not in os.environ
+
+
+TEMP = """
+    import json, tempfile
+    import torch  # noqa: F401 -- as every script does
+    print(json.dumps({"tempdir": tempfile.gettempdir()}))
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_launch_leaves_no_torchelastic_folder_and_the_script_gets_tmpdir(script, tmp_path, warm):
+    """torch's agent makes a log folder per launch in the temporary folder and never removes it."""
+    script(TEMP, name="temp.py")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    result = torchrun("temp.py", cwd=tmp_path, env={"TMPDIR": tmp}, nproc_per_node=2, live=False, warm=warm)
+    assert [r["tempdir"] for r in result.records()] == [str(tmp)] * 2  # as in a fresh interpreter
+    left = sorted(p.name for p in tmp.iterdir())
+    # torch keeps one cache folder per user there (any process importing torch makes it); none per launch
+    assert set(left) <= {f"torchinductor_{getpass.getuser()}"}, left
 
 
 def test_failure_names_first_failing_rank_with_its_traceback(script):
@@ -615,6 +636,22 @@ PROBE = """
         "comm": open("/proc/self/comm").read().strip(),  # what ps -o comm, top and pgrep show
     }))
 """
+
+
+PARENT_THREADS = """
+    import json, os
+    with open(f"/proc/{os.getppid()}/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    print(json.dumps({"parent_threads": threads}))
+"""
+
+
+def test_a_warm_rank_is_forked_from_a_process_with_one_thread(script, tmp_path):
+    """A fork copies the locks other threads hold, and the agent runs several (the store servers, the
+    keep-alive): a rank forked from it hung now and then in getaddrinfo, on the resolver's lock."""
+    script(PARENT_THREADS, name="threads.py")
+    result = torchrun("threads.py", cwd=tmp_path, nproc_per_node=2, live=False, warm=True)
+    assert [r["parent_threads"] for r in result.records()] == [1, 1], result.records()
 
 
 def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):

@@ -357,7 +357,9 @@ def test_in_a_real_kernel_interrupt_keeps_the_group_and_sigkill_leaves_nothing(t
         _, errors, value = _execute(kc, "%%ranks\nrank * 2")
         assert not errors and value["text/plain"] == "{0: 0, 1: 2}", (errors, value)
         text, _, _ = _execute(kc, "%%ranks\nimport os\nprint(os.environ['DDP_HELPERS_RUN_DIR'])")
-        run_dir = text.splitlines()[0].removeprefix("[rank 0] ")
+        # the ranks' lines arrive in any order: take rank 0's
+        run_dir = next(line for line in text.splitlines() if line.startswith("[rank 0] "))
+        run_dir = run_dir.removeprefix("[rank 0] ")
         assert os.path.isdir(run_dir)
         km.provisioner.process.kill()  # SIGKILL: nothing of the kernel runs to clean up
         km.provisioner.process.wait()
