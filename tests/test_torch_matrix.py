@@ -529,3 +529,15 @@ def test_only_the_blamed_ranks_exception_is_compared():
     assert tm.script_verdict("00_crash", {"warm": both}, {"warm": one}, (2, 8)) == ("pass", "")
     other = dict(one, error=error.replace("ValueError", "KeyError"))
     assert tm.script_verdict("00_crash", {"warm": other}, {"warm": one}, (2, 8))[0] == "differs"
+
+
+def test_a_second_run_on_the_same_cache_is_refused(tmp_path, monkeypatch):
+    """Two runs would each replace the copy of the tree the other runs from (it happened: a run's scripts then
+    failed with FileNotFoundError)."""
+    monkeypatch.setattr(tm, "CACHE", tmp_path)
+    first = tm.hold_cache_lock()
+    assert first is not None and tm.hold_cache_lock() is None
+    first.close()
+    again = tm.hold_cache_lock()
+    assert again is not None
+    again.close()

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -1002,6 +1003,19 @@ def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[
         shutil.rmtree(python.parent.parent, ignore_errors=True)
 
 
+def hold_cache_lock():
+    """An exclusive lock on the cache, held until this process ends, or None when another run holds it: two
+    runs at once would each replace the copy of the tree (SRC) the other is running from."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    lock = open(CACHE / "lock", "w")  # noqa: SIM115 -- kept open for the life of the process
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
 def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # run_child kills whatever is running on the way out
 
@@ -1045,6 +1059,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="only show (and write) the stored results")
     parser.add_argument("--write-readme", action="store_true", help="write the table into both READMEs")
     args = parser.parse_args(argv)
+    if not args.table:
+        lock = hold_cache_lock()
+        if lock is None:
+            print(f"torch_matrix: another run uses {CACHE} (its copy of the tree, {SRC}); wait for it to end")
+            return 2
     pinned = pinned_pair()
     ran: list[str] = []
     if not args.table:
