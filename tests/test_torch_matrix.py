@@ -410,6 +410,29 @@ def test_the_readme_table_covers_every_minor_release_from_the_floor():
     )
 
 
+def test_a_check_stores_in_the_cache_not_with_the_table(tmp_path, monkeypatch):
+    """CI's --check stores its runs in the cache, so a local .ci/run leaves the table's data as committed; a
+    run without --check stores with the table, in a folder git tracks."""
+    stored: list[Path] = []
+    monkeypatch.setattr(tm, "CACHE", tmp_path)
+    monkeypatch.setattr(tm, "CHECKS", tmp_path / "results")
+    monkeypatch.setattr(tm, "become_subreaper", lambda: None)
+    monkeypatch.setattr(tm.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(tm, "index_versions", lambda name: [])
+    monkeypatch.setattr(tm, "resolve", lambda minor, torches: {"minor": tm.label(minor), "torchvision": "0"})
+    monkeypatch.setattr(tm, "run_version", lambda pair, args, pinned, results: stored.append(results))
+    monkeypatch.setattr(tm, "load_results", lambda folder: [])
+    assert tm.main(["--floor", "--check"]) == 0
+    assert stored == [tmp_path / "results"] * 2, stored  # the pinned reference and the floor
+    stored.clear()
+    assert tm.main(["--floor"]) == 0
+    assert stored == [tm.RESULTS], stored
+    ignored = subprocess.run(
+        ["git", "-C", str(REPO), "check-ignore", "-q", str(tm.RESULTS / "torch-2.8.json")]
+    )
+    assert ignored.returncode == 1, f"{tm.RESULTS} must be tracked, not ignored"
+
+
 def test_ci_runs_every_script_on_the_floor():
     ci = (REPO / ".ci" / "run").read_text()
     assert "tools/torch_matrix.py --floor --check --warm-only" in ci, "CI must run the scripts on the floor"

@@ -29,12 +29,14 @@ in a fresh copy of the working tree (the files git tracks or does not ignore):
    SLURM cells (section 7) run where the practice cluster of tools/slurm_cluster.sh answers, with the version
    under test; elsewhere they print one line and pass, and the table says they did not run.
 
-Results: ``.cache/torch-matrix/results/torch-2.M.json`` (a rerun of some notebooks or scripts keeps the rest);
-the table goes to stdout and, with ``--write-readme``, into README.md and README.zh-CN.md between
+Results: ``tools/torch-matrix-results/torch-2.M.json``, committed with the table they render (a rerun of some
+notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that the README's table is what they
+render); the table goes to stdout and, with ``--write-readme``, into README.md and README.zh-CN.md between
 ``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs, with ``--floor
---warm-only``) runs the pinned version's scripts as well, warm, as the reference, and exits 1 unless every
-case passes on every version run. ``--prepare`` only makes the environments (the pinned version needs none
-here); CI runs it beside the test suite, so that the floor check after the suite finds its environment ready.
+--warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its results in the
+cache (``results/``), not with the table's, and exits 1 unless every case passes on every version run.
+``--prepare`` only makes the environments (the pinned version needs none here); CI runs it beside the test
+suite, so that the floor check after the suite finds its environment ready.
 
 Why a script of our own and not nox: nox would make and reuse the environments (about 30 lines here), but not
 pair torchvision with torch, limit a child's time, kill what a hung notebook leaves behind, remove 6 GB
@@ -67,7 +69,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(
     os.environ.get("TORCH_MATRIX_CACHE") or ROOT / ".cache" / "torch-matrix"
 )  # CI keeps it per machine
-ENVS, RESULTS, LOGS, SRC, SOURCES = (CACHE / d for d in ("envs", "results", "logs", "src", "sources"))
+ENVS, CHECKS, LOGS, SRC, SOURCES = (CACHE / d for d in ("envs", "results", "logs", "src", "sources"))
+RESULTS = ROOT / "tools" / "torch-matrix-results"  # committed: the README's table is rendered from these
 MARKERS = ("<!-- torch-matrix -->", "<!-- /torch-matrix -->")
 READMES = ("README.md", "README.zh-CN.md")
 TV_OFFSET = 15  # torch 2.M pairs with torchvision 0.(M+15): 2.4 with 0.19, 2.14 with 0.29
@@ -414,10 +417,14 @@ def copy_worktree() -> dict[str, str]:
 
 
 def tree_source() -> dict[str, Any]:
-    """The commit the working tree is at, and whether it has uncommitted changes."""
+    """The commit the working tree is at, and whether it has uncommitted changes (the results of earlier
+    versions in this run, and the tables they go into, are not changes of the tree they were run from)."""
     git = ["git", "-C", str(ROOT)]
     commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(git + ["status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+    outputs = [f":!{RESULTS.relative_to(ROOT)}", *(f":!{name}" for name in READMES)]
+    dirty = subprocess.run(
+        git + ["status", "--porcelain", "--", ".", *outputs], capture_output=True, text=True
+    ).stdout.strip()
     return {"commit": commit, "edited": bool(dirty)}
 
 
@@ -961,7 +968,9 @@ def replace_between_markers(text: str, block: str) -> str:
 # ---- the command -------------------------------------------------------------------------------------------
 
 
-def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[str, str]) -> None:
+def run_version(
+    pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[str, str], results: Path
+) -> None:
     print(f"  {pair['minor']}: torch {pair['torch']} + torchvision {pair['torchvision']}", flush=True)
     source = copy_worktree()
     is_pinned = pair["torch"] == pinned["torch"]
@@ -997,7 +1006,7 @@ def run_version(pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[
         )
         for verdict in result["notebooks"]["results"].values():
             verdict["source"] = source  # kept with each notebook: a later run of others keeps this one
-    store(result)
+    store(result, results)
     keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
     if not keep and python.parent.parent.parent == ENVS:
         shutil.rmtree(python.parent.parent, ignore_errors=True)
@@ -1065,6 +1074,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"torch_matrix: another run uses {CACHE} (its copy of the tree, {SRC}); wait for it to end")
             return 2
     pinned = pinned_pair()
+    results = CHECKS if args.check else RESULTS  # a check's runs do not change the committed table
     ran: list[str] = []
     if not args.table:
         become_subreaper()
@@ -1098,12 +1108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             if pair["torchvision"] is None:
                 print(f"  {pair['minor']}: {pair['why']}", flush=True)
-                store({**pair, "date": today(), "source": tree_source()})
+                store({**pair, "date": today(), "source": tree_source()}, results)
                 continue
-            run_version(pair, args, pinned)
+            run_version(pair, args, pinned, results)
     if args.prepare:
         return 0
-    rows = [r for r in load_results() if minor_of(r["minor"]) >= declared_floor()]  # older: kept, not shown
+    rows = [r for r in load_results(results) if minor_of(r["minor"]) >= declared_floor()]  # older: not shown
     table = render_table(rows, pinned)
     print(table)
     if args.write_readme:
