@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from ddp_helpers import _internals
 from ddp_helpers import _protocol as protocol
 
 
@@ -29,16 +30,12 @@ def main(argv: list[str], warm: bool = False) -> int:
         tempfile.tempdir = os.environ[protocol.RUN_DIR]
     if warm:  # forked workers get /dev/null as stdin from multiprocessing: hand them the lifeline by number
         os.environ[protocol.LIFELINE] = str(os.dup(0))
-        from ddp_helpers import _internals
-
         _internals.start_zygote()  # first, while this process has one thread: the ranks are forked from it
     protocol.hold_lifeline(remove=os.environ.get(protocol.RUN_DIR) if agent == 0 else None)
     import torch.distributed.run as torchrun_module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if warm:
-        from ddp_helpers import _internals
-
         _internals.fork_workers(torchrun_module)
     try:
         torchrun_module.run(torchrun_module.parse_args(argv))

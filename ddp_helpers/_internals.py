@@ -71,10 +71,10 @@ def missing() -> list[str]:
     return lacking
 
 
-def start_zygote() -> int:
+def start_zygote() -> None:
     """In a warm agent, while it has one thread: fork the ``multiprocessing`` fork server its ranks will be
     forked from, and make it this process's fork server (as ``ForkServer.ensure_running`` would, minus the
-    fresh interpreter). It ends with this process (its "alive" pipe reaches end of file). Returns its pid."""
+    fresh interpreter). It ends with this process (its "alive" pipe reaches end of file)."""
     import socket
     from multiprocessing import connection, forkserver
 
@@ -103,7 +103,6 @@ def start_zygote() -> int:
     listener.close()
     os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    return pid
 
 
 def stop_zygote() -> None:
