@@ -219,7 +219,8 @@ def cuda_devices() -> int | None:
 
 class MainProcess:
     """The warm process's own multiprocessing identity, remembered there and restored in each forked rank, so
-    that a rank reports what a fresh interpreter would ("MainProcess", no parent process)."""
+    that a rank reports what a fresh interpreter would ("MainProcess", no parent process, no start method
+    chosen, no fork server or resource tracker yet)."""
 
     def __init__(self):
         import multiprocessing
@@ -235,3 +236,19 @@ class MainProcess:
         # a fork server's child renames the process object it inherited and gives it its parent's key
         self.process.name = self.name
         self.process.authkey = os.urandom(32)  # a fresh interpreter's own
+        # A fork server's child inherits "forkserver" as the start method, and the agent's fork server and
+        # resource tracker as its own: its DataLoader workers would then start from a fork server of their
+        # own, outlive a crashed rank (their watchdog watches that server, not the rank) and, holding the
+        # agent's fds, keep the agent waiting for its fork server and tracker to end (seen: 08_train's restart
+        # hung its warm launch). A fresh interpreter has neither: it makes its own when it needs them.
+        from multiprocessing import forkserver, resource_tracker
+
+        multiprocessing.set_start_method(None, force=True)
+        server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
+        for fd in {server._forkserver_alive_fd, tracker._fd} - {None}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+        tracker._fd = tracker._pid = None

@@ -611,7 +611,8 @@ def test_describe_environment_says_what_a_launch_gets(monkeypatch, capsys):
 
 
 PROBE = """
-    import json, logging, multiprocessing, os, random, signal, sys
+    import json, logging, multiprocessing, multiprocessing.forkserver, multiprocessing.resource_tracker
+    import os, random, signal, sys
     preloaded = "torch" in sys.modules  # warm: the warm process imported it before forking
     import torch
     try:  # a fork after CUDA was initialised cannot use CUDA: the warm agent must not have touched it
@@ -634,6 +635,12 @@ PROBE = """
         "unbuffered": sys.stdout.write_through, "random": random.random(), "torch_seed": torch.initial_seed(),
         "cuda": cuda, "cuda_available": torch.cuda.is_available(), "preloaded": preloaded,
         "comm": open("/proc/self/comm").read().strip(),  # what ps -o comm, top and pgrep show
+        # how a DataLoader's workers would start, and the fork server and resource tracker a rank holds
+        "start_method": multiprocessing.get_start_method(allow_none=True),
+        "fork_server": [multiprocessing.forkserver._forkserver._forkserver_alive_fd,
+                        multiprocessing.forkserver._forkserver._forkserver_pid],
+        "resource_tracker": [multiprocessing.resource_tracker._resource_tracker._fd,
+                             multiprocessing.resource_tracker._resource_tracker._pid],
     }))
 """
 
@@ -652,6 +659,43 @@ def test_a_warm_rank_is_forked_from_a_process_with_one_thread(script, tmp_path):
     script(PARENT_THREADS, name="threads.py")
     result = torchrun("threads.py", cwd=tmp_path, nproc_per_node=2, live=False, warm=True)
     assert [r["parent_threads"] for r in result.records()] == [1, 1], result.records()
+
+
+CRASH_WITH_WORKERS = """
+    import json, multiprocessing, os, sys, time
+
+    def watch_manager():  # a DataLoader worker's watchdog: it ends once the process that started it is gone
+        manager, end = os.getppid(), time.monotonic() + 120
+        while os.getppid() == manager and time.monotonic() < end:
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        rank = int(os.environ["RANK"])
+        ctx = multiprocessing.get_context()  # what a DataLoader uses by default
+        ctx.Process(target=watch_manager, daemon=True).start()
+        print(json.dumps({"rank": rank, "start_method": ctx.get_start_method()}), flush=True)
+        if rank == 1:
+            sys.exit("rank 1 crashes")
+        time.sleep(120)  # until torchrun stops this rank (SIGTERM): its worker is left to notice by itself
+"""
+
+
+def test_a_warm_launch_ends_when_a_crash_leaves_workers_behind(script, tmp_path):
+    """A warm rank once inherited "forkserver" and the agent's fork server and resource tracker: its
+    DataLoader workers then started from a fork server of their own, which their watchdog took for the rank,
+    and held the agent's fds, so after a crash the agent waited for them for ever (08_train's restart hung
+    its warm launch). It must fail as a cold launch does, with the same start method, and leave nothing."""
+    script(CRASH_WITH_WORKERS, name="crash_with_workers.py")
+    methods = {}
+    for warm in (False, True):
+        with pytest.raises(JobFailedError) as failed:
+            torchrun(
+                "crash_with_workers.py", cwd=tmp_path, nproc_per_node=2, live=False, timeout=60, warm=warm
+            )
+        assert failed.value.rank == 1, (warm, str(failed.value))
+        methods[warm] = sorted(r["start_method"] for r in failed.value.result.records())
+    assert methods[True] == methods[False], methods
+    assert wait_for_no_leftovers(os.getpid(), within=30) == []
 
 
 def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
