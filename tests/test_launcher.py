@@ -698,6 +698,22 @@ def test_a_warm_launch_ends_when_a_crash_leaves_workers_behind(script, tmp_path)
     assert wait_for_no_leftovers(os.getpid(), within=30) == []
 
 
+def test_a_script_that_ends_with_os_exit_hangs_only_a_warm_launch(script, tmp_path):
+    """The one known difference (README): torch's agent counts a forked rank done once it has its return
+    value, which os._exit skips. When this fails, the difference is gone: update README's warm paragraph."""
+    script(
+        'import json, os\nprint(json.dumps({"rank": int(os.environ["RANK"])}), flush=True)\nos._exit(0)\n',
+        name="exit_now.py",
+    )
+    assert torchrun("exit_now.py", cwd=tmp_path, nproc_per_node=2, live=False, warm=False).exitcodes == {
+        0: 0,
+        1: 0,
+    }
+    with pytest.raises(JobHungError):
+        torchrun("exit_now.py", cwd=tmp_path, nproc_per_node=2, live=False, warm=True, timeout=10)
+    assert wait_for_no_leftovers(os.getpid(), within=30) == []
+
+
 def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
     script(PROBE, name="probe.py")
     runs = {
