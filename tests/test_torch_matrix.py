@@ -410,6 +410,20 @@ def test_the_readme_table_covers_every_minor_release_from_the_floor():
     )
 
 
+def test_the_readme_table_is_what_the_committed_results_render():
+    """The table is data, not prose: tools/torch-matrix-results/ holds what each run stored, and the README
+    gives exactly what tools/torch_matrix.py --table renders from it (so a hand edit, or a run whose results
+    were not committed, fails here)."""
+    rows = [r for r in tm.load_results(tm.RESULTS) if tm.minor_of(r["minor"]) >= tm.declared_floor()]
+    assert rows, f"no results in {tm.RESULTS}: run tools/torch_matrix.py and commit what it stores"
+    text = (REPO / "README.md").read_text()
+    block = text.split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0].strip("\n")
+    assert block == tm.render_table(rows, tm.pinned_pair()).strip("\n"), (
+        "README.md's torch-matrix table is not what the committed results render: "
+        "run .venv/bin/python tools/torch_matrix.py --table --write-readme"
+    )
+
+
 def test_a_check_stores_in_the_cache_not_with_the_table(tmp_path, monkeypatch):
     """CI's --check stores its runs in the cache, so a local .ci/run leaves the table's data as committed; a
     run without --check stores with the table, in a folder git tracks."""
