@@ -105,23 +105,31 @@ def start_zygote() -> None:
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
-def stop_zygote() -> None:
-    """At a warm agent's end: end its fork server and ``multiprocessing``'s resource tracker and reap both, so
-    that nothing of the launch outlives the agent (an orphan would stay a zombie until init reaps it)."""
+def _let_go_of_fork_server_and_tracker() -> list[int]:
+    """Close this process's ends of ``multiprocessing``'s fork server and resource tracker and forget both, as
+    a fresh interpreter has none; the pids they had (each ends by itself once every end is closed)."""
     from multiprocessing import forkserver, resource_tracker
 
     server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
-    for fd, pid in ((server._forkserver_alive_fd, server._forkserver_pid), (tracker._fd, tracker._pid)):
-        if pid is None:
-            continue
-        if fd is not None:
-            os.close(fd)  # end of file: each ends by itself (the tracker after unlinking what was left)
+    for fd in {server._forkserver_alive_fd, tracker._fd} - {None}:
+        try:
+            os.close(fd)  # end of file: the tracker unlinks what was left, then ends
+        except OSError:
+            pass
+    pids = [pid for pid in (server._forkserver_pid, tracker._pid) if pid is not None]
+    server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+    tracker._fd = tracker._pid = None
+    return pids
+
+
+def stop_zygote() -> None:
+    """At a warm agent's end: end its fork server and ``multiprocessing``'s resource tracker and reap both, so
+    that nothing of the launch outlives the agent (an orphan would stay a zombie until init reaps it)."""
+    for pid in _let_go_of_fork_server_and_tracker():
         try:
             os.waitpid(pid, 0)
         except ChildProcessError:
             pass
-    server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
-    tracker._fd = tracker._pid = None
 
 
 def _wrap_and_leave(*args):
@@ -241,14 +249,5 @@ class MainProcess:
         # own, outlive a crashed rank (their watchdog watches that server, not the rank) and, holding the
         # agent's fds, keep the agent waiting for its fork server and tracker to end (seen: 08_train's restart
         # hung its warm launch). A fresh interpreter has neither: it makes its own when it needs them.
-        from multiprocessing import forkserver, resource_tracker
-
         multiprocessing.set_start_method(None, force=True)
-        server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
-        for fd in {server._forkserver_alive_fd, tracker._fd} - {None}:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
-        tracker._fd = tracker._pid = None
+        _let_go_of_fork_server_and_tracker()  # not ours to reap: the agent's, or none
