@@ -382,9 +382,13 @@ def test_every_case_of_warm_fidelity_has_its_own_key():
     assert {case for case, *_ in tm.NAMED} <= set(keys), "a named difference for a case that does not exist"
 
 
+def _block(readme: str) -> str:
+    """What a README holds between the two torch-matrix markers."""
+    return (REPO / readme).read_text().split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0]
+
+
 def _table(readme: str) -> list[list[str]]:
-    text = (REPO / readme).read_text()
-    block = text.split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0]
+    block = _block(readme)
     rows = [ln for ln in block.splitlines() if ln.startswith("| ") and not ln.startswith("| torch |")]
     return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in rows]
 
@@ -403,9 +407,8 @@ def test_the_readme_table_covers_every_minor_release_from_the_floor():
         r[2] for r in rows
     ]
     assert any(r[0] == f"{PINNED['torch']} (pinned)" for r in rows), [r[0] for r in rows]
-    en, zh = ((REPO / name).read_text() for name in tm.READMES)
-    block = en.split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0]
-    assert tm.MARKERS[0] + block + tm.MARKERS[1] in zh, (
+    en, zh = tm.READMES
+    assert tm.MARKERS[0] + _block(en) + tm.MARKERS[1] in (REPO / zh).read_text(), (
         "README.zh-CN.md must give the same torch-matrix table"
     )
 
@@ -416,8 +419,7 @@ def test_the_readme_table_is_what_the_committed_results_render():
     were not committed, fails here)."""
     rows = [r for r in tm.load_results(tm.RESULTS) if tm.minor_of(r["minor"]) >= tm.declared_floor()]
     assert rows, f"no results in {tm.RESULTS}: run tools/torch_matrix.py and commit what it stores"
-    text = (REPO / "README.md").read_text()
-    block = text.split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0].strip("\n")
+    block = _block("README.md").strip("\n")
     assert block == tm.render_table(rows, tm.pinned_pair()).strip("\n"), (
         "README.md's torch-matrix table is not what the committed results render: "
         "run .venv/bin/python tools/torch_matrix.py --table --write-readme"
