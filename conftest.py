@@ -9,6 +9,9 @@ from pathlib import Path
 import nbformat
 from nbmake.nb_run import NotebookRun
 
+# Every test: a KeyboardInterrupt that escapes it fails that test alone (tests/interrupt_guard.py).
+pytest_plugins = ["tests.interrupt_guard"]
+
 EXECUTED = Path(__file__).resolve().parent / "build" / "executed"
 NOTEBOOKS = Path(__file__).resolve().parent / "notebooks"
 _execute = NotebookRun.execute

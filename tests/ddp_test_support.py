@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,3 +55,35 @@ def wait_for_no_leftovers(parent_pid: int, within: float = 15.0) -> list[str]:
     while (left := leftover_processes(parent_pid)) and time.monotonic() < end:
         time.sleep(0.2)
     return left
+
+
+def main_thread_stack(pid: int) -> list[str]:
+    """The frames of process ``pid``'s main thread, innermost first, native ones included, as py-spy reads
+    them (``function (file:line)`` or ``function (library)``); [] once the process is gone."""
+    spy = Path(sys.executable).with_name("py-spy")
+    done = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
+    if done.returncode != 0:
+        if not os.path.exists(f"/proc/{pid}"):
+            return []
+        raise RuntimeError(f"py-spy could not read process {pid}'s stack (it needs ptrace): {done.stderr}")
+    frames, mine = [], False
+    for line in done.stdout.splitlines():
+        if line.startswith("Thread "):
+            mine = line.split()[1] in (str(pid), hex(pid))
+        elif mine and line.startswith("    "):
+            frames.append(line.strip())
+    return frames
+
+
+def in_native_call(pid: int, native: str, caller: str) -> bool:
+    """Whether ``pid``'s main thread is inside the C/C++ function ``native`` called from the Python function
+    ``caller``: past the last bytecode, where a signal can only set a flag for Python to act on later."""
+    frames = main_thread_stack(pid)
+    inner = next((i for i, f in enumerate(frames) if f.startswith(f"{native} (")), None)
+    return inner is not None and any(f.startswith(f"{caller} (") for f in frames[inner + 1 :])
+
+
+def in_python_call(pid: int, function: str, file: str) -> bool:
+    """Whether ``pid``'s main thread runs the Python function ``function`` (its qualified name, such as
+    ``MessageReader.next``) of a file named ``file``."""
+    return any(f.startswith(f"{function} (") and f"{file}:" in f for f in main_thread_stack(pid))

@@ -250,6 +250,16 @@ def test_nothing_points_outside_the_repository():
     assert not outside, f"these point at ../shared, which a clone does not have: {outside}"
 
 
+def test_no_large_file_or_wheel_is_tracked():
+    """A clone stays small: nothing over 1 MB and no built wheel is committed (one slipped in, a0fd03d)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    paths = [p for p in tracked.stdout.split("\0") if p and (REPO / p).is_file()]
+    assert paths, "git lists no tracked files"
+    large = {p: (REPO / p).stat().st_size for p in paths if (REPO / p).stat().st_size > 1_000_000}
+    wheels = [p for p in paths if p.endswith(".whl")]
+    assert not large and not wheels, f"tracked by mistake: {large or ''} {wheels or ''}"
+
+
 # Scripts whose setup() differs from 00_hello.py's on purpose (each script stands alone, so each has a copy).
 SETUP_VARIANTS = {
     "05_elastic.py": "a --plain-init switch; join_process_group, which survives torchrun's restarts",

@@ -9,10 +9,9 @@ import signal
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from ddp_test_support import wait_for_no_leftovers
+from ddp_test_support import in_native_call, in_python_call, wait_for_no_leftovers
 
 from ddp_helpers import CellError, JobFailedError, JobHungError, _repl, launcher
 from ddp_helpers.outcome import Hang
@@ -270,47 +269,37 @@ def test_a_rank_that_dies_ends_the_group_with_the_launchers_diagnosis(shell, ran
     shell.run_line_magic("ranks", "start -n 2")
 
 
-@pytest.fixture
-def sigint_raises():
-    """SIGINT raises KeyboardInterrupt, as in a Jupyter kernel, even where this process inherited it ignored
-    (as a suite started with `cmd &` does: Python then installs no handler); restored afterwards."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
-def _interrupt_when(paths: list[Path]) -> threading.Thread:
-    """SIGINT this process, as Jupyter's Interrupt does a kernel, once every path exists (the ranks are in the
-    cell: the magic is waiting for them)."""
-
-    def wait_then_interrupt() -> None:
-        end = time.monotonic() + 300
-        while not all(p.exists() for p in paths) and time.monotonic() < end:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    thread = threading.Thread(target=wait_then_interrupt, daemon=True)
-    thread.start()
-    return thread
-
-
-def test_an_interrupt_stops_the_cell_and_keeps_the_group(sigint_raises, ranks, tmp_path, capsys):
-    _interrupt_when([tmp_path / "in0", tmp_path / "in1"])
+def test_an_interrupt_stops_the_cell_and_keeps_the_group(interrupt_when, ranks, tmp_path, capsys):
+    # Each rank makes its file inside the cell, where an interrupt stops it, and sleeps on the same line, so
+    # that the traceback's line is the same whether the interrupt finds it before or in time.sleep.
+    interrupt_when(lambda: (tmp_path / "in0").exists() and (tmp_path / "in1").exists())
     with pytest.raises(KeyboardInterrupt):
-        ranks(f"import time\nopen(f'{tmp_path}/in{{rank}}', 'w').close()\ntime.sleep(600)")
+        ranks(f"import time\nopen(f'{tmp_path}/in{{rank}}', 'w').close(); time.sleep(600)")
     err = capsys.readouterr().err
     assert "ddp_helpers: interrupted; rank(s) 0, 1 stopped the cell; the group still runs" in err, err
-    assert '[rank 1]   File "<ranks cell 1>", line 3, in <module>' in err.splitlines(), err
+    assert '[rank 1]   File "<ranks cell 1>", line 2, in <module>' in err.splitlines(), err
     assert ranks("rank") == {0: 0, 1: 1}, "the group still runs"
 
 
-def test_an_interrupt_a_rank_in_a_collective_cannot_answer_is_a_hang(sigint_raises, shell, ranks, tmp_path):
-    _interrupt_when([tmp_path / "in0"])
+def test_an_interrupt_a_rank_in_a_collective_cannot_answer_is_a_hang(interrupt_when, shell, ranks, tmp_path):
+    pids = {r: c.pid for r, c in shell.magics_manager.registry["RankMagics"].group.conns.items()}
+
+    def both_in_place() -> bool:
+        """Rank 0 is inside the barrier's C++ wait, where SIGINT cannot reach Python, and rank 1 has replied:
+        it made its file in the cell, and now waits for the next message (it sent its reply before that)."""
+        return (
+            (tmp_path / "done1").exists()
+            and in_python_call(pids[1], "MessageReader.next", "_protocol.py")
+            and in_native_call(pids[0], "c10d::Work::wait", "barrier")
+        )
+
+    interrupt_when(both_in_place)
     with pytest.raises(JobHungError) as info:
-        ranks(f"if rank == 0:\n    open('{tmp_path}/in0', 'w').close()\n    dist.barrier()\nrank")
+        cell = f"if rank == 0:\n    dist.barrier()\nelse:\n    open('{tmp_path}/done1', 'w').close()\nrank"
+        ranks(cell, "--timeout 300")  # a safety net: the interrupt comes long before
     err = info.value
     assert err.hang == Hang("interrupt", launcher.TERM_GRACE, cell=True) and err.stuck_ranks == [1], str(err)
-    assert "rank 0 waits in torch.distributed `barrier` called at <ranks cell 1>:3" in str(err)
+    assert "rank 0 waits in torch.distributed `barrier` called at <ranks cell 1>:2" in str(err)
     assert "rank 1 had finished the cell and waits for the next one" in str(err)
     assert wait_for_no_leftovers(os.getpid(), within=60) == []
     shell.run_line_magic("ranks", "start -n 2")
@@ -319,9 +308,9 @@ def test_an_interrupt_a_rank_in_a_collective_cannot_answer_is_a_hang(sigint_rais
 # ---- a real Jupyter kernel: its Interrupt, and its death by SIGKILL ---------------------------------------
 
 
-def _execute(kc, code: str, until: str | None = None, then=None) -> tuple[str, list[dict], dict | None]:
+def _execute(kc, code: str, until: tuple[str, ...] = (), then=None) -> tuple[str, list[dict], dict | None]:
     """Run ``code`` in the kernel: its stream text, its error contents and its result; ``then()`` runs once
-    ``until`` appears in the stream text."""
+    every string of ``until`` has appeared in the stream text."""
     msg_id = kc.execute(code)
     text, errors, value = "", [], None
     while True:
@@ -331,9 +320,9 @@ def _execute(kc, code: str, until: str | None = None, then=None) -> tuple[str, l
         kind = msg["msg_type"]
         if kind == "stream":
             text += msg["content"]["text"]
-            if until is not None and until in text:
+            if until and all(u in text for u in until):
                 then()
-                until = None
+                until = ()
         elif kind == "error":
             errors.append(msg["content"])
         elif kind == "execute_result":
@@ -350,8 +339,10 @@ def test_in_a_real_kernel_interrupt_keeps_the_group_and_sigkill_leaves_nothing(t
         pid = km.provisioner.pid
         text, errors, _ = _execute(kc, "%load_ext ddp_helpers\n%ranks start -n 2")
         assert "2 rank(s) ready" in text and not errors, (text, errors)
-        sleep = "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)"
-        text, errors, _ = _execute(kc, sleep, until="[rank 1] sleeping", then=km.interrupt_kernel)
+        # Interrupt once both ranks run the cell (a rank not yet in it ignores the interrupt, then sleeps).
+        sleep = "%%ranks\nimport time\nprint('sleeping', flush=True); time.sleep(600)"
+        in_cell = ("[rank 0] sleeping", "[rank 1] sleeping")
+        text, errors, _ = _execute(kc, sleep, until=in_cell, then=km.interrupt_kernel)
         assert [e["ename"] for e in errors] == ["KeyboardInterrupt"], (text, errors)
         assert "rank(s) 0, 1 stopped the cell; the group still runs" in text, text
         _, errors, value = _execute(kc, "%%ranks\nrank * 2")
