@@ -2,14 +2,17 @@
 
 A launch unit is what one ``torchrun --standalone --nproc-per-node=2`` of a trivial script costs on this
 machine (mostly three Python processes importing torch), measured before and after the suite; dividing by
-it makes the figures comparable across machines. Goals: the whole suite at most 60 units, and no
-notebook's Run All above 15. Usage: ``python benchmarks/suite_time.py [pytest args, e.g. notebooks/]``
-(default: the whole suite, as the README's test command runs it).
+it makes the figures comparable across machines. Goals: the whole suite at most 100 units, and no
+notebook's Run All above 15. Usage: ``python benchmarks/suite_time.py [--durations] [pytest args, e.g.
+notebooks/]`` (default: the whole suite, as the README's test command runs it, on pytest-xdist's workers: a
+test's or notebook's seconds are its own, the whole run's are wall time). ``--durations`` also writes each
+test's seconds to tests/durations.json, by which conftest.py starts the longest tests first.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import statistics
 import subprocess
@@ -20,8 +23,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DURATIONS = ROOT / "tests" / "durations.json"
 TRIVIAL = "import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.destroy_process_group()\n"
-GOAL_SUITE, GOAL_NOTEBOOK = 60, 15
+GOAL_SUITE, GOAL_NOTEBOOK = 100, 15
 
 
 def raw_launch(script: str) -> float:
@@ -48,8 +52,8 @@ def suite(args: list[str], report: str) -> float:
     return wall
 
 
-def by_file(report: str) -> dict[str, float]:
-    """Seconds per test file (unit tests) or notebook, from the JUnit report."""
+def by_test(report: str) -> dict[str, float]:
+    """Seconds per test (setup, call and teardown), by pytest's node id, from the JUnit report."""
     times: dict[str, float] = collections.defaultdict(float)
     for case in ET.parse(report).iter("testcase"):
         # "tests.test_launcher", or "notebooks.solutions.00_x.ipynb" for nbmake
@@ -59,12 +63,29 @@ def by_file(report: str) -> dict[str, float]:
             if name.endswith(".ipynb")
             else name.replace(".", "/") + ".py"
         )
-        times[path] += float(case.get("time", 0))
+        times[f"{path}::{case.get('name', '?')}"] += float(case.get("time", 0))
     return times
+
+
+def by_file(tests: dict[str, float]) -> dict[str, float]:
+    """Seconds per test file (unit tests) or notebook."""
+    times: dict[str, float] = collections.defaultdict(float)
+    for nodeid, seconds in tests.items():
+        times[nodeid.split("::")[0]] += seconds
+    return times
+
+
+def write_durations(tests: dict[str, float]) -> None:
+    """Keep each test of 2 s or more in tests/durations.json, which conftest.py orders the tests by."""
+    kept = {k: round(v) for k, v in sorted(tests.items(), key=lambda kv: -kv[1]) if v >= 2}
+    DURATIONS.write_text(json.dumps(kept, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {len(kept)} tests' seconds to {DURATIONS.relative_to(ROOT)}")
 
 
 def main() -> None:
     args = sys.argv[1:]
+    durations = "--durations" in args  # not pytest's: ours, to refresh tests/durations.json
+    args = [a for a in args if a != "--durations"]
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "trivial.py")
         Path(script).write_text(TRIVIAL)
@@ -72,7 +93,10 @@ def main() -> None:
         before = [raw_launch(script) for _ in range(3)]
         wall = suite(args, os.path.join(tmp, "report.xml"))
         after = [raw_launch(script) for _ in range(3)]
-        times = by_file(os.path.join(tmp, "report.xml"))
+        tests = by_test(os.path.join(tmp, "report.xml"))
+    times = by_file(tests)
+    if durations:
+        write_durations(tests)
     unit = statistics.median(before + after)
     print(
         f"\none raw 2-rank torchrun launch: {unit:.2f} s (median of 6: 3 before, 3 after the suite; "

@@ -26,8 +26,12 @@ def _fetch(url: str) -> int:
         return err.code
 
 
+# The build waits for the notebooks that other pytest-xdist workers still run: a safety net far above that.
+pytestmark = pytest.mark.timeout(1800)
+
+
 @pytest.fixture(scope="module")
-def site(free_port):
+def site(free_port, notebooks_run_here):
     """Build the site as the README's site command does (from the notebooks this run executed); serve it."""
     # a safety net: it executes only notebooks the run did not
     built = subprocess.run(

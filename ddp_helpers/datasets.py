@@ -169,6 +169,8 @@ def _written_with(root: Path, settings: dict) -> bool:
 def _swap_in(build: Path, root: Path, settings: dict) -> None:
     """Put the finished folder ``build`` at ``root``, replacing an earlier make_image_folder folder there."""
     old = None
+    if _written_with(root, settings):  # another process made the same folder meanwhile: keep theirs, which
+        return  # it may be reading (moving it away, even to put the same files back, would pull it away)
     if root.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old", dir=root.parent))
         os.replace(root, old / "data")

@@ -19,6 +19,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,52 @@ class _Connection:
     reader: protocol.MessageReader
     pid: int
     device: str
+
+
+class _SafeInterrupt:
+    """SIGINT's handler while a cell runs: an interrupt takes effect in the wait for the ranks' next message
+    (``waiting()``), never halfway through reading one, where a lost or doubled message would derail the
+    group; one that comes elsewhere waits for the next wait, or for the end of the cell."""
+
+    def __init__(self):
+        self.previous = None
+        self.pending: tuple[int, object] | None = None
+        self.safe = False
+
+    def __enter__(self) -> _SafeInterrupt:
+        if threading.current_thread() is threading.main_thread():  # only the main thread gets signals
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):  # a handler that raises KeyboardInterrupt (not SIG_IGN or SIG_DFL)
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if exc_type is None:  # one that came after the last wait: the cell has finished meanwhile
+                self._deliver()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.pending = (signum, frame)
+        if self.safe:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        if self.pending is not None:
+            signum, frame = self.pending
+            self.pending = None
+            self.previous(signum, frame)  # raises KeyboardInterrupt, as the kernel's own handler does
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Around the wait for the next message: an interrupt that came before, or comes now, raises here."""
+        self.safe = True
+        try:
+            self._deliver()
+            yield
+        finally:
+            self.safe = False
 
 
 class RankGroup:
@@ -83,6 +130,7 @@ class RankGroup:
         self.cells = 0  # cells sent so far; cell n is compiled as "<ranks cell n>"
         self.closed = False
         self.conns: dict[int, _Connection] = {}
+        self._interrupt_point = _SafeInterrupt()  # where a cell's interrupt may land (``run``)
         self._stack = contextlib.ExitStack()  # what leaving the group undoes, last in first out
         try:
             self.launch = self._stack.enter_context(launcher._Launch(self.job))
@@ -180,6 +228,20 @@ class RankGroup:
             rank.show(True)  # to where this cell's output goes
         message = {"cell": self.cells, "code": code, "filename": filename, "max_bytes": max_bytes}
         replies: dict[int, dict] = {}
+        self._interrupt_point = _SafeInterrupt()
+        with self._interrupt_point:
+            return self._run(chosen, message, replies, filename, timeout, stall)
+
+    def _run(
+        self,
+        chosen: list[int],
+        message: dict,
+        replies: dict[int, dict],
+        filename: str,
+        timeout: float | None,
+        stall: float | None,
+    ) -> dict[int, object]:
+        __tracebackhide__ = True
         try:
             for r in chosen:
                 self._send(r, message)
@@ -215,7 +277,8 @@ class RankGroup:
         __tracebackhide__ = True
         pending = {self.conns[r].sock: r for r in chosen if r not in replies}
         while pending:
-            readable, _, _ = select.select(list(pending), [], [], launcher.POLL_INTERVAL)
+            with self._interrupt_point.waiting():
+                readable, _, _ = select.select(list(pending), [], [], launcher.POLL_INTERVAL)
             replied = False
             for sock in readable:
                 rank = pending[sock]

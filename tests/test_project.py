@@ -344,6 +344,9 @@ def test_the_launch_protocol_is_spelled_only_in_its_module():
     assert "RUN_DIR" in protocol and "STACK_SIGNAL" in protocol
 
 
+# Its two safety nets (300 s for the checks, 900 s for notebook 03 under nbmake) add up past the suite's
+# 600 s: pytest-timeout sits above them, so that a failure shows which run ran out and what it printed.
+@pytest.mark.timeout(1320)
 def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
     """A learner runs a notebook in JupyterLab, edits a cell, saves: the checks pass, git's copy is clean."""
     # The project as git holds it (the staged copy, never this checkout's saved runs), in its own repository.
@@ -399,6 +402,8 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",  # nbmake, as the README's
+            "-n",
+            "0",  # one notebook: no workers to start
             "notebooks/03_sync_batchnorm.ipynb",
         ],
         cwd=tmp_path,

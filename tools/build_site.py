@@ -71,7 +71,9 @@ def executed(path: Path) -> nbformat.NotebookNode:
         NotebookClient(run, timeout=1800, kernel_name="python3").execute(cwd=str(path.parent))
         print(f"executed {path.relative_to(ROOT)} in {time.monotonic() - start:.0f} s", flush=True)
         saved.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(run, saved)
+        partial = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")  # whole or not at all, as conftest.py
+        nbformat.write(run, partial)
+        os.replace(partial, saved)
     return with_outputs(source, run)
 
 
