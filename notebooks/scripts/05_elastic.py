@@ -109,8 +109,9 @@ def main() -> None:
         optimizer.step()
         if rank == 0:
             save_snapshot(args.snapshot, model, optimizer, epochs_done=epoch + 1)
-        dist.barrier()  # nobody starts the next epoch before this epoch's snapshot exists
+        # Before the barrier, as the snapshot: out before any rank can go on to the next epoch (and crash there).
         report({"rank": rank, "event": "epoch", "attempt": attempt, "epoch": epoch, "loss": loss.item()})
+        dist.barrier()  # nobody starts the next epoch before this epoch's snapshot exists
 
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().tolist()
     report({"rank": rank, "event": "done", "attempt": attempt, "global_batch": args.batch_size * world_size,

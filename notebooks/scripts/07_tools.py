@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=None, help="init_process_group(timeout=...)")
     parser.add_argument("--watchdog", type=float, default=None,
                         help="faulthandler dumps every thread's stack and exits after this many seconds")
+    parser.add_argument("--watchdog-rank", type=int, default=None,
+                        help="arm the --watchdog on this rank only (default: on every rank)")
     parser.add_argument("--wait-all-ranks", action="store_true",
                         help="monitored_barrier names every missing rank, not only the first")
     args = parser.parse_args()
@@ -44,8 +46,9 @@ def main() -> None:
     nccl_error_handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")  # what NCCL does on a timeout (07, 2a)
     print(json.dumps({"rank": rank, "event": "ready", "backend": dist.get_backend(),
                       "nccl_error_handling": nccl_error_handling}), flush=True)
-    if args.watchdog:
-        faulthandler.dump_traceback_later(args.watchdog, exit=True)  # in a loop: re-arm it every step
+    watchdog = args.watchdog if args.watchdog_rank in (None, rank) else None  # --watchdog-rank R: rank R only
+    if watchdog:
+        faulthandler.dump_traceback_later(watchdog, exit=True)  # in a loop: re-arm it every step
     if args.case == "late-rank":
         if rank == 1:
             save_huge_checkpoint(args.late)
@@ -62,7 +65,7 @@ def main() -> None:
         model(torch.randn(8, 4, device=device)).sum().backward()
         del model
         gc.collect()  # free the DDP wrapper while its group exists (collected later, gloo can abort: see 01)
-    if args.watchdog:
+    if watchdog:
         faulthandler.cancel_dump_traceback_later()
     print(json.dumps({"rank": rank, "event": "done"}), flush=True)
     dist.destroy_process_group()
