@@ -16,6 +16,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNING = ".jp-InputArea-prompt:text('[*]:')"  # JupyterLab marks a cell that is still executing with [*]
+# Every wait below is for an event; what bounds them is one safety net per test, far above need (a few
+# minutes here, beside CPU hogs too), of which each wait gets what is left. pytest-timeout is set above it,
+# so that the wait that ran out, not pytest-timeout, is what a failure names.
+BUDGET = 1080  # seconds
+TEST_TIMEOUT = BUDGET + 120  # for the fixture's JupyterLab start and the clean-up
+
+
+def _left(deadline: float) -> float:
+    """Milliseconds left until ``deadline`` (a time.monotonic()), for Playwright's ``timeout=``."""
+    return max(1000.0, (deadline - time.monotonic()) * 1000)
 
 
 def _readme_open_command() -> list[str]:
@@ -89,8 +99,10 @@ def _outputs(page) -> str:
     return "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
 
 
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chromium, lab, unit_helpers):
     server, address = lab
+    deadline = time.monotonic() + BUDGET  # a safety net only: each wait below is for an event
     page = chromium.new_page()
     # The page shows "Idle" before its kernel is connected, and a Run All clicked then runs nothing: wait for
     # the kernel's first reply on the page's websocket instead.
@@ -105,14 +117,13 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
         ),
     )
     page.goto(address)
-    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=600_000)
-    deadline = time.monotonic() + 600  # a safety net only: each wait below is for an event
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=_left(deadline))
     while not any(connected) and time.monotonic() < deadline:
         page.wait_for_timeout(100)
     assert any(connected), "the notebook's kernel never connected"
 
     _menu(page, "Run", "Run All Cells")
-    page.locator(".jp-OutputArea-output", has_text="[rank 1]").first.wait_for(timeout=600_000)
+    page.locator(".jp-OutputArea-output", has_text="[rank 1]").first.wait_for(timeout=_left(deadline))
     while page.locator(RUNNING).count() and time.monotonic() < deadline:
         page.wait_for_timeout(500)
     assert page.locator(RUNNING).count() == 0, "Run All did not finish"
@@ -140,12 +151,14 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
     page.keyboard.press("Shift+Enter")  # runs the cell and adds an empty one below it
     # Live: both ranks' lines are on the page while the job still runs (the cell shows [*]).
     for rank in (0, 1):
-        hang.get_by_text(f'[rank {rank}] {{"rank": {rank}, "event": "ready"}}').wait_for(timeout=600_000)
+        hang.get_by_text(f'[rank {rank}] {{"rank": {rank}, "event": "ready"}}').wait_for(
+            timeout=_left(deadline)
+        )
     assert hang.locator(".jp-InputArea-prompt").inner_text() == "[*]:", hang.locator(
         ".jp-InputArea-prompt"
     ).inner_text()
     _menu(page, "Kernel", "Interrupt Kernel")
-    hang.get_by_text("ddp_helpers: interrupted").wait_for(timeout=600_000)
+    hang.get_by_text("ddp_helpers: interrupted").wait_for(timeout=_left(deadline))
     assert "nothing is left running" in hang.inner_text(), hang.inner_text()[-1500:]
     assert unit_helpers.wait_for_no_leftovers(kernel, within=60) == []
 
@@ -153,12 +166,15 @@ def test_notebook_00_runs_live_in_jupyterlab_and_an_interrupt_leaves_nothing(chr
 RANKS_CELLS = [
     "import os\nprint('kernel', os.getpid())\n%load_ext ddp_helpers\n%ranks start -n 2",
     "%%ranks\nprint('hello from', rank)\nrank * 10",
-    "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)",
+    # print and sleep on one line: the traceback's line is the same whether the interrupt finds a rank before
+    # or inside time.sleep
+    "%%ranks\nimport time\nprint('sleeping', flush=True); time.sleep(600)",
     "%%ranks\nrank * 2",
     "%ranks stop",
 ]
 
 
+@pytest.mark.timeout(TEST_TIMEOUT)
 def test_ranks_cells_run_live_in_jupyterlab_and_an_interrupt_keeps_the_group(
     chromium, lab, tmp_path, unit_helpers
 ):
@@ -167,6 +183,7 @@ def test_ranks_cells_run_live_in_jupyterlab_and_an_interrupt_keeps_the_group(
     import nbformat
 
     server, address = lab
+    deadline = time.monotonic() + BUDGET  # a safety net only: each wait below is for an event
     spec = {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}}
     notebook = nbformat.v4.new_notebook(
         cells=[nbformat.v4.new_code_cell(c) for c in RANKS_CELLS], metadata=spec
@@ -186,21 +203,23 @@ def test_ranks_cells_run_live_in_jupyterlab_and_an_interrupt_keeps_the_group(
     )
     page.goto(f"{origin}/lab/tree/notebooks/ranks_check.ipynb")
     cells = page.locator(".jp-Notebook:visible .jp-Cell")  # this notebook's: 00 is open in a hidden tab too
-    cells.first.wait_for(timeout=600_000)
-    deadline = time.monotonic() + 600  # a safety net only: each wait below is for an event
+    cells.first.wait_for(timeout=_left(deadline))
     while not any(connected) and time.monotonic() < deadline:
         page.wait_for_timeout(100)
     assert any(connected), "the notebook's kernel never connected"
 
     _menu(page, "Run", "Run All Cells")
-    cells.nth(2).get_by_text("[rank 1] sleeping").wait_for(timeout=600_000)
+    # Interrupt only once both ranks run the cell: a rank not yet in it ignores the interrupt, then sleeps. A
+    # rank's line shows that it is inside the cell, and that the kernel, which drew it, waits for the replies.
+    for rank in (0, 1):
+        cells.nth(2).get_by_text(f"[rank {rank}] sleeping").wait_for(timeout=_left(deadline))
     # still running: its lines are live
     assert cells.nth(2).locator(".jp-InputArea-prompt").inner_text() == "[*]:"
     kernel = int(re.search(r"kernel (\d+)", cells.nth(0).inner_text())[1])
     value = cells.nth(1).inner_text()
     assert "[rank 0] hello from 0" in value and "[rank 1] hello from 1" in value and "{0: 0, 1: 10}" in value
     _menu(page, "Kernel", "Interrupt Kernel")
-    cells.nth(2).get_by_text("the group still runs").wait_for(timeout=600_000)
+    cells.nth(2).get_by_text("the group still runs").wait_for(timeout=_left(deadline))
     assert "rank(s) 0, 1 stopped the cell" in cells.nth(2).inner_text(), cells.nth(2).inner_text()[-1500:]
 
     # The cell's reply must be in first: the kernel aborts requests queued when a cell fails (Run All's rest).
@@ -210,7 +229,7 @@ def test_ranks_cells_run_live_in_jupyterlab_and_an_interrupt_keeps_the_group(
     assert re.fullmatch(r"\[\d+\]:", prompt.inner_text()), prompt.inner_text()
     cells.nth(3).click()  # Run All stopped at the interrupt: run the last two cells by hand
     page.keyboard.press("Shift+Enter")
-    cells.nth(3).get_by_text("{0: 0, 1: 2}").wait_for(timeout=600_000)
+    cells.nth(3).get_by_text("{0: 0, 1: 2}").wait_for(timeout=_left(deadline))
     page.keyboard.press("Shift+Enter")
-    cells.nth(4).get_by_text("stopped 2 rank(s)").wait_for(timeout=600_000)
+    cells.nth(4).get_by_text("stopped 2 rank(s)").wait_for(timeout=_left(deadline))
     assert unit_helpers.wait_for_no_leftovers(kernel, within=60) == []

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddp_helpers import _protocol as protocol
@@ -23,13 +26,13 @@ def committed_text(path: Path) -> str:
     return shown.stdout if shown.returncode == 0 else path.read_text()
 
 
-def leftover_processes(parent_pid: int) -> list[str]:
-    """Live (non-zombie) processes a ddp_helpers launch from ``parent_pid`` started: cold ones carry the
-    launcher's marker in their environment; warm ones are forks of its warm process (whose first environment
-    they keep), other than the warm process itself, which lives as long as its kernel by design."""
+def _launched(parent_pid: int) -> Iterator[tuple[int, int, str]]:
+    """(pid, parent pid, command line) of each live (non-zombie) process a ddp_helpers launch from
+    ``parent_pid`` started: cold ones carry the launcher's marker in their environment; warm ones are forks of
+    its warm process (whose first environment they keep), other than the warm process itself, which lives as
+    long as its kernel by design."""
     marker = f"{protocol.PARENT_PID}={parent_pid}".encode()
     owner = f"{protocol.WARM_OWNER}={parent_pid}".encode()
-    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -44,9 +47,35 @@ def leftover_processes(parent_pid: int) -> list[str]:
                 env = f.read().split(b"\0")
             forked = owner in env and int(fields[1]) != parent_pid  # a fork of our warm process, not itself
             if marker in env or forked:
-                found.append(f"{entry}: {cmdline}")
+                yield int(entry), int(fields[1]), cmdline
         except OSError:
             continue
+
+
+def leftover_processes(parent_pid: int) -> list[str]:
+    """``pid: command line`` of each live process a ddp_helpers launch from ``parent_pid`` started."""
+    return [f"{pid}: {cmdline}" for pid, _, cmdline in _launched(parent_pid)]
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def rank_pids(parent_pid: int, script: str) -> dict[int, int]:
+    """{rank: pid} of the ranks that a launch from ``parent_pid`` runs now, found by the name the worker
+    wrapper gives each rank (``rank1 job`` for job.py); a rank's own children, which inherit its name, are
+    left out. A rank that has not started yet is missing."""
+    stem = os.path.splitext(os.path.basename(script))[0]
+    found = {}
+    for pid, ppid, _ in _launched(parent_pid):
+        name = _comm(pid)
+        match = re.fullmatch(r"rank(\d+) (.*)", name or "")
+        if match and stem.startswith(match[2]) and _comm(ppid) != name:  # comm keeps 15 bytes of the name
+            found[int(match[1])] = pid
     return found
 
 
@@ -75,15 +104,74 @@ def main_thread_stack(pid: int) -> list[str]:
     return frames
 
 
-def in_native_call(pid: int, native: str, caller: str) -> bool:
+def in_native_call(pid: int, native: str, caller: str, at: tuple[str, int] | None = None) -> bool:
     """Whether ``pid``'s main thread is inside the C/C++ function ``native`` called from the Python function
-    ``caller``: past the last bytecode, where a signal can only set a flag for Python to act on later."""
+    ``caller``: past the last bytecode, where a signal can only set a flag for Python to act on later. With
+    ``at`` (a file's name and a line), also whether that call is the one made at that line (one reading of
+    the stack: not, say, a collective that ``init_process_group`` makes on the way)."""
     frames = main_thread_stack(pid)
     inner = next((i for i, f in enumerate(frames) if f.startswith(f"{native} (")), None)
-    return inner is not None and any(f.startswith(f"{caller} (") for f in frames[inner + 1 :])
+    if inner is None or not any(f.startswith(f"{caller} (") for f in frames[inner + 1 :]):
+        return False
+    return at is None or _line_in(frames, *at) == at[1]
+
+
+def _line_in(frames: list[str], file: str, line: int) -> int | None:
+    """The line of the innermost of ``frames`` in a file named ``file``."""
+    for frame in frames:
+        if found := re.search(rf"[(/]{re.escape(file)}:(\d+)\)$", frame):
+            return int(found[1])
+    return None
 
 
 def in_python_call(pid: int, function: str, file: str) -> bool:
     """Whether ``pid``'s main thread runs the Python function ``function`` (its qualified name, such as
     ``MessageReader.next``) of a file named ``file``."""
     return any(f.startswith(f"{function} (") and f"{file}:" in f for f in main_thread_stack(pid))
+
+
+def at_line(pid: int, file: str, line: int) -> bool:
+    """Whether ``pid``'s main thread is at line ``line`` of a file named ``file`` (its innermost frame in that
+    file), in that line's own bytecode or in a call it makes (``time.sleep``)."""
+    return _line_in(main_thread_stack(pid), file, line) == line
+
+
+@contextlib.contextmanager
+def clocks_start_when(ready: Callable[[], bool], within: float = 300.0) -> Iterator[None]:
+    """Inside the block, each ``diagnose.Watch`` the launcher makes (a launch's, a ``%%ranks`` cell's, an
+    ``sbatch()`` job's) starts its clock once ``ready()`` holds instead of when the job or cell starts, so a
+    timeout or stall under test counts from the event it is about (every rank at its place), never from a
+    start-up whose length is this machine's speed. Everything else is the launcher's own: the Watch's
+    checks, the stack dumps, the error. ``ready`` is asked at most every 0.2 s (py-spy takes a while); if it
+    has not held ``within`` seconds after the Watch was made (a safety net, far above need), the check raises
+    AssertionError, which ends the job as any error in the launcher does."""
+    from ddp_helpers import diagnose
+
+    original = diagnose.Watch
+
+    class FromTheEvent(original):
+        def __init__(self, start: float, timeout, stall_timeout, *, cell: bool = False):
+            super().__init__(start, timeout, stall_timeout, cell=cell)
+            self.made, self.next_look, self.waiting = start, start, True
+
+        def check(self, now: float, new_lines: bool, every_rank_printed: bool):
+            if self.waiting:
+                if now < self.next_look:
+                    return None
+                if not ready():
+                    if now - self.made > within:
+                        raise AssertionError(
+                            f"the ranks were not at their places {within:g} s after the start"
+                        )
+                    self.next_look = time.monotonic() + 0.2
+                    return None
+                super().__init__(time.monotonic(), self.timeout, self.stall_timeout, cell=self.cell)
+                self.waiting = False  # from now on the Watch is the launcher's own, counting from the event
+                return None
+            return super().check(now, new_lines, every_rank_printed)
+
+    diagnose.Watch = FromTheEvent
+    try:
+        yield
+    finally:
+        diagnose.Watch = original

@@ -32,14 +32,15 @@ NAMES = [
 
 def doctor_run(*args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", *doctor.STALE_VARS)}
-    # a safety net only
+    # a safety net only (the doctor's own 2-rank job stops at 180 s), below pytest-timeout's 600 s so that
+    # a failure shows this bound and what the doctor printed
     return subprocess.run(
         [sys.executable, "-m", "ddp_helpers.doctor", *args],
         cwd=REPO,
         env={**clean, **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=420,
     )
 
 

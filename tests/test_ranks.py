@@ -11,10 +11,12 @@ import threading
 import time
 
 import pytest
-from ddp_test_support import in_native_call, in_python_call, wait_for_no_leftovers
+from ddp_test_support import clocks_start_when, in_native_call, in_python_call, wait_for_no_leftovers
 
 from ddp_helpers import CellError, JobFailedError, JobHungError, _repl, launcher
+from ddp_helpers import ranks as ranks_module
 from ddp_helpers.outcome import Hang
+from tests.interrupt_guard import interrupt_this_process
 
 # ---- the pure parts --------------------------------------------------------------------------------------
 
@@ -120,6 +122,20 @@ def test_a_rank_replies_with_its_value_or_what_went_wrong():
     assert interrupted["interrupted"] and "KeyboardInterrupt" in interrupted["error"]
     assert not interrupts.running
     interrupts(signal.SIGINT, None)  # between cells an interrupt is ignored: it came late
+
+
+def test_an_interrupt_takes_effect_only_where_a_cell_waits_for_a_message(kernel_unchanged):
+    """One that comes while a rank's reply is read waits for the next wait (reading on would lose or double
+    a message); one that comes in the wait raises there, at once."""
+    guard = ranks_module._SafeInterrupt()
+    with guard:
+        interrupt_this_process()  # Python runs the handler as the call returns: outside the wait
+        assert guard.pending is not None, "noted, not raised"
+        with pytest.raises(KeyboardInterrupt), guard.waiting():
+            pass
+        with pytest.raises(KeyboardInterrupt), guard.waiting():
+            interrupt_this_process()
+        assert guard.pending is None
 
 
 def test_lines_without_a_newline_end_with_the_cell(tmp_path):
@@ -244,7 +260,14 @@ def test_lines_arrive_complete_and_in_order(ranks, capsys):
 
 def test_a_collective_on_only_one_rank_is_named_as_a_hang_and_nothing_is_left(shell, ranks, capsys):
     ranks("x = torch.ones(1)")
-    with pytest.raises(JobHungError) as info:
+    pid = shell.magics_manager.registry["RankMagics"].group.conns[0].pid
+
+    # A cell's stall counts from the cell's start; here the 2 s count from the moment rank 0 waits inside
+    # all_reduce, so that however long a busy machine takes to get it there, the dump finds it in the call.
+    def in_the_call() -> bool:
+        return in_native_call(pid, "c10d::Work::wait", "all_reduce", at=("<ranks cell 2>", 2))
+
+    with clocks_start_when(in_the_call), pytest.raises(JobHungError) as info:
         ranks("print('reducing', flush=True)\ndist.all_reduce(x)", "--ranks 0 --stall-timeout 2")
     err = info.value
     assert err.hang == Hang("stall", 2, cell=True) and err.stuck_ranks == [1], str(err)

@@ -15,11 +15,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddp_test_support import REPO
+from ddp_test_support import REPO, at_line, clocks_start_when, in_native_call
 
 NODES = ["node1", "node2"]
 HELLO = REPO / "notebooks" / "scripts" / "00_hello.py"
 WAIT = 300  # seconds: only bounds a failure (a hung job is cancelled and named), never part of a result
+# A job's own bounds add up past the suite's 600 s (its timeout, then up to CANCEL_WAIT = 300 s for squeue to
+# let it go and LEFT_WAIT = 60 s for its processes): the job's own error, not pytest-timeout, is what a
+# failure shows.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -208,11 +212,36 @@ def test_sbatch_names_the_failing_rank_and_its_traceback(cluster, tmp_path: Path
 
 def test_sbatch_cancels_a_job_past_its_timeout(cluster, tmp_path: Path):
     from ddp_helpers import JobHungError, sbatch
+    from ddp_helpers.launcher import _Rank
+    from ddp_helpers.outcome import Hang
 
     (tmp_path / "sleeps.py").write_text(SLEEPS)
-    with pytest.raises(JobHungError) as caught:
-        sbatch("sleeps.py", nodes=2, cwd=tmp_path, timeout=20, show_script=False)
+
+    def at_their_places() -> bool:
+        """Rank 1 sleeps at sleeps.py:6; rank 0 is inside the barrier's C++ wait (both nodes are this machine,
+        so py-spy reads every rank; each rank's pid is in its status file in the job's run folder)."""
+        run_dirs = list((tmp_path / ".ddp_helpers").glob("slurm-sleeps-*"))
+        if len(run_dirs) != 1:
+            return False
+        ranks = [_Rank(str(run_dirs[0]), r, False) for r in (0, 1)]
+        for rank in ranks:
+            rank.poll()
+        pid0, pid1 = (rank.pid() for rank in ranks)
+        return (
+            pid0 is not None
+            and pid1 is not None
+            and at_line(pid1, "sleeps.py", 6)
+            and in_native_call(pid0, "c10d::Work::wait", "barrier", at=("sleeps.py", 7))
+        )
+
+    # sbatch()'s timeout counts from the moment SLURM runs the job, so it also covers two cold agents and two
+    # cold ranks importing torch, however long this machine takes. Here it counts from the moment both ranks
+    # are at their places instead: the stack dumps then find them where the assertions say. SLURM's own
+    # --time (the timeout plus a minute, from the job's start) is lifted far above that, for the same reason.
+    with clocks_start_when(at_their_places), pytest.raises(JobHungError) as caught:
+        sbatch("sleeps.py", nodes=2, cwd=tmp_path, timeout=5, sbatch_args=["--time=15"], show_script=False)
     err = caught.value
+    assert err.hang == Hang("timeout", 5), err.hang
     assert err.timed_out and err.stuck_ranks == [1], err  # the stack dumps say who never reached the barrier
     assert "rank 0 waits in torch.distributed `barrier`" in str(err), err
     assert f"The job {err.result.job_id} was cancelled (scancel)" in str(err), err

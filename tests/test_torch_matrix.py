@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -342,15 +343,32 @@ def test_run_child_kills_the_whole_tree_on_timeout(tmp_path):
         "import os, subprocess, sys, time\n"
         "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
         "                     start_new_session=True)\n"
-        f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}} {{g.pid}} {{os.nice(0)}}')\n"
+        f"open({str(pidfile)!r} + '.tmp', 'w').write(f'{{os.getpid()}} {{g.pid}} {{os.nice(0)}}')\n"
+        f"os.replace({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n"  # whole, or not there at all
         "time.sleep(600)\n"
     )
-    runner = (
-        "import os, sys, pathlib; sys.path.insert(0, sys.argv[1]); import torch_matrix as tm; "
-        "tm.become_subreaper(); p = pathlib.Path(sys.argv[3]); "
-        "r = tm.run_child([sys.executable, sys.argv[2]], log=p / 'log', timeout=5, cwd=p, env=os.environ); "
-        "print(r['timed_out'])"
-    )
+    # run_child's 5 s count from its Popen, and a child at nice 10 on a busy machine may take longer than
+    # that to start Python and its grandchild. The runner's Popen.wait therefore first waits for the event,
+    # the pidfile (the grandchild runs, the child is about to sleep): the 5 s start once the tree is there.
+    runner = textwrap.dedent("""
+        import os, pathlib, subprocess, sys, time, types
+        sys.path.insert(0, sys.argv[1])
+        import torch_matrix as tm
+
+        p = pathlib.Path(sys.argv[3])
+
+        class TimedFromThePidfile(subprocess.Popen):
+            def wait(self, timeout=None):
+                end = time.monotonic() + 60  # a safety net: the test then fails on the missing pidfile
+                while not (p / "pids").exists() and self.poll() is None and time.monotonic() < end:
+                    time.sleep(0.05)
+                return super().wait(timeout)
+
+        tm.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": TimedFromThePidfile})
+        tm.become_subreaper()
+        r = tm.run_child([sys.executable, sys.argv[2]], log=p / "log", timeout=5, cwd=p, env=os.environ)
+        print(r["timed_out"])
+    """)
     done = subprocess.run(
         [sys.executable, "-c", runner, str(REPO / "tools"), str(tmp_path / "hang.py"), str(tmp_path)],
         capture_output=True,
