@@ -205,7 +205,7 @@ def test_constraints_pin_what_the_series_is_tested_with():
     assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
 
 
-DOCS = [REPO / "README.md", REPO / "SEED_POST.md", REPO / "CONTRIBUTING.md"]
+DOCS = [REPO / "README.md", REPO / "SEED_POST.md", REPO / "CONTRIBUTING.md", REPO / "TESTING.md"]
 # inline code that reads as a statement
 SHOWN_CALL = re.compile(r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()")
 
@@ -244,7 +244,9 @@ def test_code_shown_to_a_reader_parses(path):
 
 
 def test_nothing_points_outside_the_repository():
-    tracked = [REPO / p for p in ("README.md", "CONTRIBUTING.md", "SEED_POST.md", "pyproject.toml")]
+    tracked = [
+        REPO / p for p in ("README.md", "CONTRIBUTING.md", "TESTING.md", "SEED_POST.md", "pyproject.toml")
+    ]
     tracked += NOTEBOOKS + SCRIPTS + sorted((REPO / "ddp_helpers").glob("*.py"))
     outside = [p.name for p in tracked if re.search(r"\.\./shared|shared/seed", p.read_text())]
     assert not outside, f"these point at ../shared, which a clone does not have: {outside}"

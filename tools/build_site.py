@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = ROOT / "build" / "executed"  # written by the test run (conftest.py) and by this script
 SOURCE = ROOT / "build" / "site-src"
-PAGES = ["README.md", "README.zh-CN.md", "SEED_POST.md", "WORKSHOP.md", "CONTRIBUTING.md"]
+PAGES = ["README.md", "README.zh-CN.md", "SEED_POST.md", "WORKSHOP.md", "CONTRIBUTING.md", "TESTING.md"]
 # Notebook 09, the error atlas: its first two tables list every message the series reproduces, and where.
 ATLAS = "09_errors_learners_meet.ipynb"
 ERROR_PAGES = {"": "errors.md", "zh-CN/": "errors.zh-CN.md"}  # the error index, per edition (folder: page)
