@@ -111,8 +111,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order the tests longest group first (a longest-first schedule ends soonest), the site's browser test
-    last of all; pytest-xdist hands the groups out in this order."""
+    """Order the tests for pytest-xdist, which hands them out in this order: the notebooks' groups, then the
+    site's test (built from them: it waits for the last, then builds while the other workers run on), then
+    the rest; within each, the longest first (a longest-first schedule ends soonest)."""
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     totals: collections.Counter[str] = collections.Counter()
     for item in items:
@@ -120,6 +121,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def order(item: pytest.Item) -> tuple:
         unit = group(item.nodeid) or item.nodeid
-        return (item.nodeid.startswith(SITE_TEST), -totals[unit], unit, -seconds.get(item.nodeid, 0))
+        phase = 0 if unit.startswith("notebook-") else 1 if unit == "site" else 2
+        return (phase, -totals[unit], unit, -seconds.get(item.nodeid, 0))
 
     items.sort(key=order)
