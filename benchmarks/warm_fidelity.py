@@ -80,6 +80,13 @@ def comparable(found: dict) -> dict:
 
 
 CASES = [  # (script, args, launch keywords, folders to clear before each launch)
+    ("00_single.py", ["--num-epochs", "1"], {"nproc_per_node": 1}, []),
+    (
+        "00_ddp.py",
+        ["--num-epochs", "2", "--checkpoint", "runs/fidelity00/checkpoint.pt"],
+        {"nproc_per_node": 2},
+        ["runs/fidelity00"],
+    ),
     ("00_hello.py", ["--steps", "3"], {"nproc_per_node": 2}, []),
     ("00_crash.py", [], {"nproc_per_node": 2}, []),
     ("00_hang.py", [], {"nproc_per_node": 2, "stall_timeout": 3}, []),

@@ -116,6 +116,17 @@ def test_the_landing_pages_list_every_notebook(chromium, site):
         assert not missing, (landing, missing)
 
 
+def test_evidence_cells_are_folded_and_open_on_a_click(chromium, site):
+    page = chromium.new_page()
+    page.goto(site + "notebooks/02_distributed_sampler.html", wait_until="load")
+    folds = page.locator(".celltag_evidence details.evidence")
+    assert folds.count() >= 1, "no folded evidence cell on 02's page"
+    code = folds.first.locator(".jp-Cell-inputWrapper")
+    assert not code.is_visible(), "an evidence cell's code shows before a click"
+    folds.first.locator("summary").click()
+    assert code.is_visible() and "assert" in code.inner_text(), "the click did not show the evidence's code"
+
+
 def test_a_notebook_page_shows_the_ranks_output_and_switches_language(chromium, site):
     page = chromium.new_page()
     for url, other in (

@@ -92,7 +92,7 @@ def compare_version(name: str, installed: str, pinned: str | None, floor: str | 
         name,
         "warn",
         f"{installed}: not the pinned version ({pinned}): the notebooks' version-specific cells may differ "
-        "(README.md, 'Tested torch versions', says which pass where)",
+        "(MEASURES.md, 'Tested torch versions', says which pass where)",
         INSTALL,
     )
 

@@ -23,12 +23,24 @@ CONDA_NAMES = {"torch": "pytorch"}  # where conda-forge names a package differen
 
 
 def _writefile_cells(nb_path: Path) -> dict[str, str]:
+    """Each file the notebook writes, as its cells leave it: a `%%writefile` cell, then its `-a` pieces.
+
+    IPython writes a cell's body, with a newline added when it lacks one. A `%%writefile -a` piece appends
+    to the file an earlier cell created; appending to a file no earlier cell writes would depend on what a
+    previous run left there, so it fails.
+    """
     nb = nbformat.reads(committed_text(nb_path), as_version=4)
-    cells = {}
+    cells: dict[str, str] = {}
     for cell in nb.cells:
         if cell.cell_type == "code" and cell.source.startswith("%%writefile"):
             first, _, body = cell.source.partition("\n")
-            cells[first.split()[-1]] = body
+            *flags, target = first.split()[1:]
+            body = body if body.endswith("\n") else body + "\n"
+            if "-a" in flags or "--append" in flags:
+                assert target in cells, f"{nb_path.name}: `{first}`: no earlier cell writes {target}"
+                cells[target] += body
+            else:
+                cells[target] = body
     return cells
 
 
@@ -67,6 +79,20 @@ def test_every_script_comes_from_a_notebook():
     written = {t for nb in NOTEBOOKS for t in _writefile_cells(nb)}
     orphans = [p.name for p in SCRIPTS if f"scripts/{p.name}" not in written]
     assert not orphans, f"scripts no notebook writes: {orphans}"
+
+
+def test_writefile_pieces_are_concatenated_after_a_first_cell(tmp_path, monkeypatch):
+    monkeypatch.setitem(_writefile_cells.__globals__, "committed_text", lambda path: path.read_text())
+
+    def notebook(*sources: str) -> Path:
+        path = tmp_path / "99_x.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources]), path)
+        return path
+
+    first, piece = "%%writefile scripts/99_x.py\na = 1", "%%writefile -a scripts/99_x.py\n\n\nb = 2"
+    assert _writefile_cells(notebook(first, "print(a)", piece)) == {"scripts/99_x.py": "a = 1\n\n\nb = 2\n"}
+    with pytest.raises(AssertionError, match="no earlier cell writes scripts/99_x.py"):
+        _writefile_cells(notebook(piece, first))
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
@@ -205,7 +231,10 @@ def test_constraints_pin_what_the_series_is_tested_with():
     assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
 
 
-DOCS = [REPO / "README.md", REPO / "SEED_POST.md", REPO / "CONTRIBUTING.md", REPO / "TESTING.md"]
+DOCS = [
+    REPO / p
+    for p in ("README.md", "SEED_POST.md", "CONTRIBUTING.md", "TESTING.md", "HELPERS.md", "MEASURES.md")
+]
 # inline code that reads as a statement
 SHOWN_CALL = re.compile(r"(assert |[A-Za-z_][\w.]*\(|[A-Za-z_]\w* = [\w.]+\()")
 
@@ -245,7 +274,17 @@ def test_code_shown_to_a_reader_parses(path):
 
 def test_nothing_points_outside_the_repository():
     tracked = [
-        REPO / p for p in ("README.md", "CONTRIBUTING.md", "TESTING.md", "SEED_POST.md", "pyproject.toml")
+        REPO / p
+        for p in (
+            "README.md",
+            "README.zh-CN.md",
+            "CONTRIBUTING.md",
+            "TESTING.md",
+            "SEED_POST.md",
+            "HELPERS.md",
+            "MEASURES.md",
+            "pyproject.toml",
+        )
     ]
     tracked += NOTEBOOKS + SCRIPTS + sorted((REPO / "ddp_helpers").glob("*.py"))
     outside = [p.name for p in tracked if re.search(r"\.\./shared|shared/seed", p.read_text())]
@@ -420,17 +459,17 @@ def test_a_learners_saved_outputs_and_edits_do_not_fail_the_suite(tmp_path):
 
 
 OPEN_COMMANDS = {
-    "English": ("README.md", "open-command", "notebooks/00_start_here.ipynb"),
-    "Chinese": ("README.zh-CN.md", "open-command-zh", "notebooks/zh-CN/00_start_here.ipynb"),
+    "English": ("README.md", "open-command", "notebooks/00_quickstart.ipynb"),
+    "Chinese": ("README.zh-CN.md", "open-command-zh", "notebooks/zh-CN/00_quickstart.ipynb"),
 }
 
 
 def test_the_chinese_open_command_differs_only_in_its_notebook():
     english, chinese = _readme_block("open-command"), _readme_block("open-command-zh", "README.zh-CN.md")
     assert chinese == english.replace(
-        "notebooks/00_start_here.ipynb", "notebooks/zh-CN/00_start_here.ipynb"
+        "notebooks/00_quickstart.ipynb", "notebooks/zh-CN/00_quickstart.ipynb"
     ), chinese
-    assert (REPO / "notebooks" / "zh-CN" / "00_start_here.ipynb").is_file()
+    assert (REPO / "notebooks" / "zh-CN" / "00_quickstart.ipynb").is_file()
 
 
 @pytest.mark.parametrize("language", OPEN_COMMANDS)

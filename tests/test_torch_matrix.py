@@ -1,5 +1,5 @@
 """tools/torch_matrix.py without installing anything (pairing, comparing outcomes, notebook verdicts, the
-table, the README markers), and the README's table kept in step with the floor pyproject.toml declares."""
+table, the markers), and MEASURES.md's table kept in step with the floor pyproject.toml declares."""
 
 from __future__ import annotations
 
@@ -287,16 +287,17 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
     lines = tm.render_table(rows, PINNED).splitlines()
     header = "| torch | torchvision | date | tree | scripts | " + " | ".join(tm.NOTEBOOK_COLUMNS) + " |"
     assert lines[0] == header
-    assert tm.NOTEBOOK_COLUMNS[0] == "00" and "09" in tm.NOTEBOOK_COLUMNS  # every notebook of the series
+    assert tm.NOTEBOOK_COLUMNS[:2] == ["00 quickstart", "00 start"], tm.NOTEBOOK_COLUMNS  # a word per 00
+    assert "09" in tm.NOTEBOOK_COLUMNS  # every notebook of the series
     body = [ln for ln in lines[2:] if ln.startswith("| ")]
     assert [ln.split(" | ")[0] for ln in body] == ["| 2.6.0", "| 2.14.1 (pinned)", "| 2.15"]
     assert body[0].startswith(
-        "| 2.6.0 | 0.21.0 | 2026-12-01 | abcdef0: scripts; ?: 00; bcdef01+: 05 | 1/2: `00_hello` fails [1] | "
-        "pass |"
+        "| 2.6.0 | 0.21.0 | 2026-12-01 | abcdef0: scripts; ?: 00 start; bcdef01+: 05 | "
+        "1/2: `00_hello` fails [1] | not run | pass |"
     ), body[0]
     assert "| hangs in cell 14 [2] |" in body[0]
     assert body[1].startswith(
-        "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | pass |"
+        "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | not run | pass |"
     )  # no source stored
     rows[1]["source"] = {"commit": "cdef01234567", "edited": False}  # an old row: the last run's source
     assert "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | cdef012 | 2/2 |" in tm.render_table(rows, PINNED)
@@ -305,8 +306,8 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
     assert "2. 2.6.0, 05: timed" in lines
 
 
-def test_write_readme_replaces_only_between_the_markers(tmp_path):
-    original = (REPO / "README.md").read_text()
+def test_write_table_replaces_only_between_the_markers(tmp_path):
+    original = (REPO / tm.TABLE_PAGE).read_text()
     before, rest = original.split(tm.MARKERS[0], 1)
     after = rest.split(tm.MARKERS[1], 1)[1]
     text = tm.replace_between_markers(original, "new table\n")
@@ -401,7 +402,7 @@ def test_every_case_of_warm_fidelity_has_its_own_key():
 
 
 def _block(readme: str) -> str:
-    """What a README holds between the two torch-matrix markers."""
+    """What a page holds between the two torch-matrix markers."""
     return (REPO / readme).read_text().split(tm.MARKERS[0], 1)[1].split(tm.MARKERS[1], 1)[0]
 
 
@@ -411,10 +412,11 @@ def _table(readme: str) -> list[list[str]]:
     return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in rows]
 
 
-def test_the_readme_table_covers_every_minor_release_from_the_floor():
+def test_the_table_covers_every_minor_release_from_the_floor():
     """One row per minor release, the version first, from the floor pyproject.toml declares to the newest
-    one tried, none missing; each dated; the pinned release among them; both READMEs give the same table."""
-    rows = _table("README.md")
+    one tried, none missing; each dated; the pinned release among them. The table is in MEASURES.md only; both
+    READMEs link its section."""
+    rows = _table(tm.TABLE_PAGE)
     minors = [tm.minor_of(r[0]) for r in rows]
     floor = tm.declared_floor()
     assert minors[0] == floor, (
@@ -425,22 +427,23 @@ def test_the_readme_table_covers_every_minor_release_from_the_floor():
         r[2] for r in rows
     ]
     assert any(r[0] == f"{PINNED['torch']} (pinned)" for r in rows), [r[0] for r in rows]
-    en, zh = tm.READMES
-    assert tm.MARKERS[0] + _block(en) + tm.MARKERS[1] in (REPO / zh).read_text(), (
-        "README.zh-CN.md must give the same torch-matrix table"
-    )
+    for readme in ("README.md", "README.zh-CN.md"):
+        text = (REPO / readme).read_text()
+        assert "MEASURES.md#tested-torch-versions" in text and tm.MARKERS[0] not in text, (
+            f"{readme} must link MEASURES.md#tested-torch-versions, not give the table itself"
+        )
 
 
-def test_the_readme_table_is_what_the_committed_results_render():
-    """The table is data, not prose: tools/torch-matrix-results/ holds what each run stored, and the README
+def test_the_table_is_what_the_committed_results_render():
+    """The table is data, not prose: tools/torch-matrix-results/ holds what each run stored, and MEASURES.md
     gives exactly what tools/torch_matrix.py --table renders from it (so a hand edit, or a run whose results
     were not committed, fails here)."""
     rows = [r for r in tm.load_results(tm.RESULTS) if tm.minor_of(r["minor"]) >= tm.declared_floor()]
     assert rows, f"no results in {tm.RESULTS}: run tools/torch_matrix.py and commit what it stores"
-    block = _block("README.md").strip("\n")
+    block = _block(tm.TABLE_PAGE).strip("\n")
     assert block == tm.render_table(rows, tm.pinned_pair()).strip("\n"), (
-        "README.md's torch-matrix table is not what the committed results render: "
-        "run .venv/bin/python tools/torch_matrix.py --table --write-readme"
+        "MEASURES.md's torch-matrix table is not what the committed results render: "
+        "run .venv/bin/python tools/torch_matrix.py --table --write-table"
     )
 
 

@@ -27,7 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = ROOT / "build" / "executed"  # written by the test run (conftest.py) and by this script
 SOURCE = ROOT / "build" / "site-src"
-PAGES = ["README.md", "README.zh-CN.md", "SEED_POST.md", "WORKSHOP.md", "CONTRIBUTING.md", "TESTING.md"]
+FOLD = ROOT / "tools" / "fold_evidence.js"  # folds the cells tagged "evidence", as JupyterLab shows them
+PAGES = [
+    "README.md",
+    "README.zh-CN.md",
+    "SEED_POST.md",
+    "WORKSHOP.md",
+    "HELPERS.md",
+    "MEASURES.md",
+    "CONTRIBUTING.md",
+    "TESTING.md",
+]
 # Notebook 09, the error atlas: its first two tables list every message the series reproduces, and where.
 ATLAS = "09_errors_learners_meet.ipynb"
 ERROR_PAGES = {"": "errors.md", "zh-CN/": "errors.zh-CN.md"}  # the error index, per edition (folder: page)
@@ -107,11 +117,29 @@ def site_links(text: str, notebook: bool) -> str:
 
 
 def write_notebook(nb: nbformat.NotebookNode, target: Path) -> None:
+    ids = site_heading_ids(nb)
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = site_links(cell.source, notebook=True)
+            cell.source = re.sub(r"\]\(#([^)\s]+)\)", lambda m: f"](#{ids.get(m[1], m[1])})", cell.source)
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, target)
+
+
+def site_heading_ids(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """A heading's id in JupyterLab (its text, spaces as "-"), which links within a notebook use -> its id on
+    the site (mkdocs-jupyter's renderer), so that such a link jumps on both."""
+    import mkdocs_jupyter.convert  # noqa: F401  (gives nbconvert's headings the ids the site's pages get)
+    from mkdocs_jupyter.nbconvert2 import custom_markdown2html
+
+    ids = {}
+    for cell in nb.cells:
+        for line in cell.source.splitlines() if cell.cell_type == "markdown" else []:
+            if heading := re.match(r"#{1,6} (.+)", line):
+                site = re.search(r'id="([^"]*)"', custom_markdown2html(line))
+                if site and site[1]:
+                    ids[heading[1].strip().replace(" ", "-")] = site[1]
+    return ids
 
 
 def heading_anchors(nb: nbformat.NotebookNode) -> dict[str, str]:
@@ -188,6 +216,7 @@ def gather() -> list[str]:
     shutil.copytree(
         NOTEBOOKS / "images", SOURCE / "notebooks" / "images", ignore=shutil.ignore_patterns("*.mmd")
     )
+    (SOURCE / FOLD.name).write_text(FOLD.read_text(encoding="utf-8"), encoding="utf-8")
     glossary = NOTEBOOKS / "zh-CN" / "术语表.md"
     if glossary.is_file():
         shutil.copy(glossary, SOURCE / glossary.relative_to(ROOT))
@@ -230,6 +259,7 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
         },
         "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True}}],  # executed once, above
         "markdown_extensions": ["tables", "fenced_code", "admonition"],
+        "extra_javascript": [FOLD.name],
         "nav": [
             {"Home": "index.md"},
             {"Notebooks": main + errors[""]},
@@ -245,6 +275,8 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
             {"Scripts": scripts},
             "SEED_POST.md",
             "WORKSHOP.md",
+            "HELPERS.md",
+            "MEASURES.md",
             "CONTRIBUTING.md",
         ],
     }

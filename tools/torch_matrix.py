@@ -1,8 +1,8 @@
 """Run the series on other torch releases: a cached environment per minor version, a table of what breaks.
 
     python tools/torch_matrix.py [2.M ...] [--floor] [--notebooks [--solutions]] [--only NN ...] [--check]
-                                 [--warm-only] [--keep-envs] [--save-sources] [--write-readme] [--prepare]
-    python tools/torch_matrix.py --table [--write-readme]
+                                 [--warm-only] [--keep-envs] [--save-sources] [--write-table] [--prepare]
+    python tools/torch_matrix.py --table [--write-table]
 
 Versions: the ones named, ``--floor`` (the floor pyproject.toml declares, ``torch>=2.M``), or by default
 every minor release from the floor to the newest on the package index. Each gets its newest patch release that
@@ -30,11 +30,12 @@ in a fresh copy of the working tree (the files git tracks or does not ignore):
    under test; elsewhere they print one line and pass, and the table says they did not run.
 
 Results: ``tools/torch-matrix-results/torch-2.M.json``, committed with the table they render (a rerun of some
-notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that the README's table is what they
-render); the table goes to stdout and, with ``--write-readme``, into README.md and README.zh-CN.md between
-``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs, with ``--floor
---warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its results in the
-cache (``results/``), not with the table's, and exits 1 unless every case passes on every version run.
+notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that MEASURES.md's table is what they
+render); the table goes to stdout and, with ``--write-table`` (or its old name ``--write-readme``), into
+MEASURES.md between ``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs,
+with ``--floor --warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its
+results in the cache (``results/``), not with the table's, and exits 1 unless every case passes on every
+version run.
 ``--prepare`` only makes the environments (the pinned version needs none here); CI runs it beside the test
 suite, so that the floor check after the suite finds its environment ready.
 
@@ -70,9 +71,9 @@ CACHE = Path(
     os.environ.get("TORCH_MATRIX_CACHE") or ROOT / ".cache" / "torch-matrix"
 )  # CI keeps it per machine
 ENVS, CHECKS, LOGS, SRC, SOURCES = (CACHE / d for d in ("envs", "results", "logs", "src", "sources"))
-RESULTS = ROOT / "tools" / "torch-matrix-results"  # committed: the README's table is rendered from these
+RESULTS = ROOT / "tools" / "torch-matrix-results"  # committed: MEASURES.md's table is rendered from these
 MARKERS = ("<!-- torch-matrix -->", "<!-- /torch-matrix -->")
-READMES = ("README.md", "README.zh-CN.md")
+TABLE_PAGE = "MEASURES.md"  # the page whose torch-matrix table --write-table rewrites
 TV_OFFSET = 15  # torch 2.M pairs with torchvision 0.(M+15): 2.4 with 0.19, 2.14 with 0.29
 VERSION_SPECIFIC = "version-specific"  # the tag of a notebook cell that asserts what differs between versions
 FLOAT_RTOL, FLOAT_ATOL = (
@@ -421,7 +422,7 @@ def tree_source() -> dict[str, Any]:
     versions in this run, and the tables they go into, are not changes of the tree they were run from)."""
     git = ["git", "-C", str(ROOT)]
     commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    outputs = [f":!{RESULTS.relative_to(ROOT)}", *(f":!{name}" for name in READMES)]
+    outputs = [f":!{RESULTS.relative_to(ROOT)}", f":!{TABLE_PAGE}"]
     dirty = subprocess.run(
         git + ["status", "--porcelain", "--", ".", *outputs], capture_output=True, text=True
     ).stdout.strip()
@@ -815,11 +816,21 @@ def _cell(text: str) -> str:
 
 
 # A column per notebook of the series (and one per solutions notebook that was run).
-NOTEBOOK_COLUMNS = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+_SERIES = [p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")]
 
 
 def _notebook_column(rel: str) -> str:
-    return Path(rel).name[:2] + (" sol." if "/solutions/" in rel else "")
+    """A notebook's column: its number, and its first word where two notebooks share the number (the 00s)."""
+    name = Path(rel).name
+    shared = sum(other[:2] == name[:2] for other in _SERIES) > 1
+    return (
+        name[:2]
+        + (f" {Path(name).stem[3:].split('_')[0]}" if shared else "")
+        + (" sol." if "/solutions/" in rel else "")
+    )
+
+
+NOTEBOOK_COLUMNS = sorted(map(_notebook_column, _SERIES))
 
 
 def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -> list[str]:
@@ -1066,7 +1077,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="only make (or find) each version's environment for the scripts; run nothing (CI, beforehand)",
     )
     parser.add_argument("--table", action="store_true", help="only show (and write) the stored results")
-    parser.add_argument("--write-readme", action="store_true", help="write the table into both READMEs")
+    parser.add_argument(
+        "--write-table", "--write-readme", action="store_true", help=f"write the table into {TABLE_PAGE}"
+    )
     args = parser.parse_args(argv)
     if not args.table:
         lock = hold_cache_lock()
@@ -1116,10 +1129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [r for r in load_results(results) if minor_of(r["minor"]) >= declared_floor()]  # older: not shown
     table = render_table(rows, pinned)
     print(table)
-    if args.write_readme:
-        for name in READMES:
-            (ROOT / name).write_text(replace_between_markers((ROOT / name).read_text(), table))
-        print(f"torch_matrix: wrote the table into {' and '.join(READMES)}")
+    if args.write_table:
+        (ROOT / TABLE_PAGE).write_text(replace_between_markers((ROOT / TABLE_PAGE).read_text(), table))
+        print(f"torch_matrix: wrote the table into {TABLE_PAGE}")
     if args.check:
         bad = check_failures([r for r in rows if r["minor"] in ran], pinned)
         print(

@@ -11,26 +11,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def join_process_group(backend: str, **options) -> None:
-    """dist.init_process_group(backend, **options) from torchrun's environment, safe for --max-restarts (see 05)."""
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store, kept across restarts
-    if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
-        dist.init_process_group(backend, **options)  # env://; no earlier attempt can have left anything behind
-        return
-    # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
-    # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
-    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:
-        raise RuntimeError("torchrun --max-restarts on several nodes, with one store shared by every attempt. c10d "
-                           "rendezvous (--rdzv-backend=c10d): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node, "
-                           "which gives each attempt a fresh store. Static rendezvous (--master-addr/--master-port, "
-                           "torchrun's default on several nodes): it always shares its store and ignores that switch; "
-                           "launch with --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), **options)
-
-
 def report(record: dict) -> None:
     """One JSON record, one line, one write: under torchrun print() writes a line and its newline apart (05 §7)."""
     sys.stdout.write(json.dumps(record) + "\n")
@@ -117,6 +97,23 @@ def main() -> None:
     report({"rank": rank, "event": "done", "attempt": attempt, "global_batch": args.batch_size * world_size,
             "weights": weights})
     dist.destroy_process_group()
+
+
+# Workaround for an upstream issue (torch 2.14, pytorch#135712): with --max-restarts, a restarted attempt can read
+# the failed one's addresses in torchrun's store, so each attempt gets keys of its own. Proof: notebook 05.
+def join_process_group(backend: str, **options) -> None:
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store shared by attempts
+        return dist.init_process_group(backend, **options)  # env://
+    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:  # restart counts are per node: one node only
+        raise RuntimeError("torchrun --max-restarts on several nodes: with c10d rendezvous, set "
+                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node. Static rendezvous (--master-addr/"
+                           "--master-port) ignores that switch: launch with --rdzv-backend=c10d "
+                           "--rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **options)
 
 
 if __name__ == "__main__":

@@ -18,26 +18,6 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 
-def join_process_group(backend: str, **options) -> None:
-    """dist.init_process_group(backend, **options) from torchrun's environment, safe for --max-restarts (see 05)."""
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store, kept across restarts
-    if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
-        dist.init_process_group(backend, **options)  # env://; no earlier attempt can have left anything behind
-        return
-    # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
-    # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
-    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:
-        raise RuntimeError("torchrun --max-restarts on several nodes, with one store shared by every attempt. c10d "
-                           "rendezvous (--rdzv-backend=c10d): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node, "
-                           "which gives each attempt a fresh store. Static rendezvous (--master-addr/--master-port, "
-                           "torchrun's default on several nodes): it always shares its store and ignores that switch; "
-                           "launch with --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), **options)
-
-
 def setup() -> tuple[bool, int, int, int, torch.device]:
     """(ddp, rank, local_rank, world_size, device): torchrun sets RANK; plain `python` does not (nanoGPT's test)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -50,7 +30,7 @@ def setup() -> tuple[bool, int, int, int, torch.device]:
         device = torch.device("cpu")
     if not ddp:
         return False, 0, 0, 1, device
-    join_process_group(backend)  # 05: env:// from torchrun, no rank/world_size arguments; survives a restart
+    join_process_group(backend)  # 05: env:// from torchrun, no rank/world_size arguments; below main()
     return True, dist.get_rank(), local_rank, dist.get_world_size(), device  # 02: RANK for data and identity
 
 
@@ -76,34 +56,6 @@ def build_model(num_classes: int) -> nn.Module:
                          nn.Flatten(), nn.Linear(32, num_classes))
 
 
-def load_weights(model: nn.Module, path: str, device: torch.device) -> dict:
-    """Load a checkpoint saved by this script (or from a DDP/compiled model, nested either way) into a plain model."""
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    state = ckpt["model"] if "model" in ckpt else ckpt
-    # 01's rule: a wrapper's prefix comes off only while *every* key carries it, the outermost first, until none
-    # does. So "_orig_mod.module." (torch.compile(DDP(m))) and "module._orig_mod." (DDP(torch.compile(m))) both go,
-    # and a model's own submodule named "module" keeps its name as long as some keys lie outside it.
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in ("module.", "_orig_mod."):  # DDP / DataParallel, torch.compile
-            if state and all(key.startswith(prefix) for key in state):
-                consume_prefix_in_state_dict_if_present(state, prefix)
-                stripped = True
-    model.load_state_dict(state)  # strict: any other mismatch still raises
-    return ckpt
-
-
-def save_atomically(obj: dict, path: str) -> None:
-    """Temp file in the same folder, flushed to disk, then renamed over `path`: never half a checkpoint (01)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())  # durable: the bytes are on disk before the new name can point at them
-    os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half of either
-
-
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, ddp: bool) -> dict:
     """Loss and accuracy over the whole validation set, counting each image once despite sampler padding (02)."""
     model.eval()
@@ -125,6 +77,34 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, ddp: bo
     kept = mine[:, sorted(first.values())]
     model.train()
     return {"val_loss": kept[1].mean().item(), "val_acc": kept[2].mean().item(), "val_items": kept.shape[1]}
+
+
+def save_atomically(obj: dict, path: str) -> None:
+    """Temp file in the same folder, flushed to disk, then renamed over `path`: never half a checkpoint (01)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # durable: the bytes are on disk before the new name can point at them
+    os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half of either
+
+
+def load_weights(model: nn.Module, path: str, device: torch.device) -> dict:
+    """Load a checkpoint saved by this script (or from a DDP/compiled model, nested either way) into a plain model."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    state = ckpt["model"] if "model" in ckpt else ckpt
+    # 01's rule: a wrapper's prefix comes off only while *every* key carries it, the outermost first, until none
+    # does. So "_orig_mod.module." (torch.compile(DDP(m))) and "module._orig_mod." (DDP(torch.compile(m))) both go,
+    # and a model's own submodule named "module" keeps its name as long as some keys lie outside it.
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in ("module.", "_orig_mod."):  # DDP / DataParallel, torch.compile
+            if state and all(key.startswith(prefix) for key in state):
+                consume_prefix_in_state_dict_if_present(state, prefix)
+                stripped = True
+    model.load_state_dict(state)  # strict: any other mismatch still raises
+    return ckpt
 
 
 def main() -> None:
@@ -228,6 +208,23 @@ def main() -> None:
         print(json.dumps({"event": "done", "rank": rank, "final_checksum": checksum, **history[-1]}))
     if ddp:
         dist.destroy_process_group()
+
+
+# Workaround for an upstream issue (torch 2.14, pytorch#135712): with --max-restarts, a restarted attempt can read
+# the failed one's addresses in torchrun's store, so each attempt gets keys of its own. Proof: notebook 05.
+def join_process_group(backend: str, **options) -> None:
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store shared by attempts
+        return dist.init_process_group(backend, **options)  # env://
+    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:  # restart counts are per node: one node only
+        raise RuntimeError("torchrun --max-restarts on several nodes: with c10d rendezvous, set "
+                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node. Static rendezvous (--master-addr/"
+                           "--master-port) ignores that switch: launch with --rdzv-backend=c10d "
+                           "--rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **options)
 
 
 if __name__ == "__main__":

@@ -25,26 +25,6 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
 
-def join_process_group(backend: str, **options) -> None:
-    """dist.init_process_group(backend, **options) from torchrun's environment, safe for --max-restarts (see 05)."""
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's own store, kept across restarts
-    if not shared or os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
-        dist.init_process_group(backend, **options)  # env://; no earlier attempt can have left anything behind
-        return
-    # torch 2.14: a restarted attempt finds the failed one's addresses in that store (pytorch#135712, #167288),
-    # so each attempt gets its own key prefix. Restart counts are kept per node: this holds on one node only.
-    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:
-        raise RuntimeError("torchrun --max-restarts on several nodes, with one store shared by every attempt. c10d "
-                           "rendezvous (--rdzv-backend=c10d): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node, "
-                           "which gives each attempt a fresh store. Static rendezvous (--master-addr/--master-port, "
-                           "torchrun's default on several nodes): it always shares its store and ignores that switch; "
-                           "launch with --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), **options)
-
-
 def setup() -> tuple[bool, int, int, int, torch.device]:
     """(ddp, rank, local_rank, world_size, device): torchrun sets RANK; plain `python` does not (nanoGPT's test)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -58,7 +38,7 @@ def setup() -> tuple[bool, int, int, int, torch.device]:
     if not ddp:
         return False, 0, 0, 1, device
     # device_id (NCCL): create the communicator now, bound to this GPU, instead of guessing it at the first collective
-    join_process_group(backend, device_id=device if backend == "nccl" else None)  # 05: env://; survives a restart
+    join_process_group(backend, device_id=device if backend == "nccl" else None)  # 05: env://; below main()
     return True, dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
@@ -89,13 +69,6 @@ class Augmented(Dataset):
         return x.roll((dy, dx), dims=(1, 2)), y
 
 
-class GlobalAvgPool(nn.Module):
-    """The mean over height and width, as AdaptiveAvgPool2d(1), whose CUDA backward has no deterministic version."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean((2, 3), keepdim=True)
-
-
 def build_model(num_classes: int) -> nn.Module:
     """The capstone's small CNN, plus dropout (which draws from the torch RNG on every training step)."""
     def block(c_in: int, c_out: int) -> nn.Sequential:
@@ -115,6 +88,21 @@ def gather(obj: object, ddp: bool) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def evaluate(model: nn.Module, val_set: Dataset, device: torch.device) -> dict:
+    """Rank 0 only, through the plain module (no collective inside): loss and accuracy on every image (04)."""
+    model.eval()
+    # Its own generator: creating an iterator draws a seed, which would otherwise shift rank 0's training stream.
+    loader = DataLoader(val_set, batch_size=64, generator=torch.Generator())
+    loss = correct = 0.0
+    with torch.no_grad():
+        for x, y in loader:
+            out = model(x.to(device)).float()
+            loss += nn.functional.cross_entropy(out, y.to(device), reduction="sum").item()
+            correct += (out.argmax(1) == y.to(device)).sum().item()
+    model.train()
+    return {"val_loss": loss / len(val_set), "val_acc": correct / len(val_set)}
 
 
 def rng_states(loader_generator: torch.Generator, device: torch.device) -> dict:
@@ -170,21 +158,6 @@ def save_atomically(obj: dict, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())  # durable: the bytes are on disk before the new name can point at them
     os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half of either
-
-
-def evaluate(model: nn.Module, val_set: Dataset, device: torch.device) -> dict:
-    """Rank 0 only, through the plain module (no collective inside): loss and accuracy on every image (04)."""
-    model.eval()
-    # Its own generator: creating an iterator draws a seed, which would otherwise shift rank 0's training stream.
-    loader = DataLoader(val_set, batch_size=64, generator=torch.Generator())
-    loss = correct = 0.0
-    with torch.no_grad():
-        for x, y in loader:
-            out = model(x.to(device)).float()
-            loss += nn.functional.cross_entropy(out, y.to(device), reduction="sum").item()
-            correct += (out.argmax(1) == y.to(device)).sum().item()
-    model.train()
-    return {"val_loss": loss / len(val_set), "val_acc": correct / len(val_set)}
 
 
 def main() -> None:
@@ -327,6 +300,31 @@ def main() -> None:
         del net
         gc.collect()  # free the DDP wrapper while its process group exists (01)
         dist.destroy_process_group()
+
+
+# A workaround for an upstream gap (AdaptiveAvgPool2d's CUDA backward is not deterministic); why: notebook 08, §5's end.
+class GlobalAvgPool(nn.Module):
+    """The mean over height and width, as AdaptiveAvgPool2d(1), whose CUDA backward has no deterministic version."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3), keepdim=True)
+
+
+# Workaround for an upstream issue (torch 2.14, pytorch#135712): with --max-restarts, a restarted attempt can read
+# the failed one's addresses in torchrun's store, so each attempt gets keys of its own. Proof: notebook 05.
+def join_process_group(backend: str, **options) -> None:
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store shared by attempts
+        return dist.init_process_group(backend, **options)  # env://
+    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:  # restart counts are per node: one node only
+        raise RuntimeError("torchrun --max-restarts on several nodes: with c10d rendezvous, set "
+                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node. Static rendezvous (--master-addr/"
+                           "--master-port) ignores that switch: launch with --rdzv-backend=c10d "
+                           "--rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **options)
 
 
 if __name__ == "__main__":

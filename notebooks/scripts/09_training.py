@@ -54,8 +54,6 @@ def shard(rank: int, world_size: int, batch: int, shape: tuple[int, ...]) -> tup
 
 
 # ---- --case checkpoint: activation checkpointing under DDP ---------------------------------------------------
-
-
 class Checkpointed(nn.Module):
     """A stem, then a block run under torch.utils.checkpoint once or twice (the same weights used twice), a head."""
 
@@ -102,8 +100,6 @@ def case_checkpoint(rank: int, world_size: int, device: torch.device) -> None:
 
 
 # ---- --case batchnorm: two forwards, one backward ----------------------------------------------------------
-
-
 def case_batchnorm(rank: int, world_size: int, device: torch.device) -> None:
     data = torch.Generator().manual_seed(rank)  # each rank its own batches, the same in every run
     real, fake = torch.randn(8, 4, generator=data) + rank, torch.randn(8, 4, generator=data) - rank
@@ -132,8 +128,6 @@ def case_batchnorm(rank: int, world_size: int, device: torch.device) -> None:
 
 
 # ---- --case loss: what each rank prints, and the step's loss -----------------------------------------------
-
-
 def case_loss(rank: int, world_size: int, device: torch.device) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
@@ -154,8 +148,6 @@ def case_loss(rank: int, world_size: int, device: torch.device) -> None:
 
 
 # ---- --case logging: one progress line, from rank 0 only ----------------------------------------------------
-
-
 def case_logging(rank: int, world_size: int, device: torch.device, steps: int) -> None:
     total = torch.zeros(1, device=device)
     for step in range(steps):
@@ -170,8 +162,6 @@ def case_logging(rank: int, world_size: int, device: torch.device, steps: int) -
 
 
 # ---- --case scaling: one process against two, on a tiny and a bigger model ----------------------------------
-
-
 def tiny() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
 
@@ -215,8 +205,6 @@ def case_scaling(rank: int, world_size: int, device: torch.device) -> None:
 
 
 # ---- --case workers: DataLoader worker processes per rank ---------------------------------------------------
-
-
 class Busy(Dataset):
     """Samples that cost CPU time to make, like decoding and augmenting an image."""
 
@@ -244,8 +232,6 @@ def case_workers(rank: int, world_size: int, device: torch.device) -> None:
 
 
 # ---- --case flight-recorder: what each rank's last collectives were ------------------------------------------
-
-
 def case_flight_recorder(rank: int, world_size: int, device: torch.device, out: str) -> None:
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))  # a short timeout for the demo
     value = torch.ones(1)
@@ -269,8 +255,6 @@ def case_flight_recorder(rank: int, world_size: int, device: torch.device, out: 
 
 
 # ---- GPU only -----------------------------------------------------------------------------------------------
-
-
 def case_load_device(rank: int, world_size: int, device: torch.device, path: str) -> None:
     """rank 0 saves from its GPU; every rank loads it twice: without, then with map_location."""
     if rank == 0:
