@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from pathlib import Path
@@ -80,6 +81,8 @@ def test_every_page_loads_shows_its_images_and_links_only_to_what_exists(chromiu
     )
     page.on("pageerror", lambda e: problems.append(f"script error on {page.url}: {e}"))
     todo, seen, files = deque([site + "index.html"]), set(), set()
+    ids: dict[str, set[str]] = {}  # page -> the ids on it, percent-decoded
+    jumps: set[tuple[str, str, str]] = set()  # (from page, to page, fragment) of each link into a section
     while todo:
         url = todo.popleft()
         if url in seen:
@@ -94,11 +97,23 @@ def test_every_page_loads_shows_its_images_and_links_only_to_what_exists(chromiu
             "imgs => imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src.slice(0, 80))",
         )
         problems += [f"image that did not load on {url}: {src}" for src in broken]
+        ids[url] = set(page.eval_on_selector_all("[id]", "els => els.map(e => decodeURIComponent(e.id))"))
+        headings = page.eval_on_selector_all(
+            ".md-content h1, .md-content h2, .md-content h3", "hs => hs.map(h => h.id + '|' + h.innerText)"
+        )
+        problems += [f"a heading without an id on {url}: {h[1:41]}" for h in headings if h.startswith("|")]
         for href in page.eval_on_selector_all("a[href]", "links => links.map(a => a.href)"):
-            target = href.split("#")[0]
+            target, _, fragment = href.partition("#")
             if target.startswith(site):
                 (todo.append(target) if target.endswith(".html") else files.add(target))
+                if fragment and target.endswith(".html"):
+                    jumps.add((url, target, urllib.parse.unquote(fragment)))
     problems += [f"broken link: {f}" for f in sorted(files) if _fetch(f) != 200]
+    problems += [  # a link into a section lands on it: the heading's id on the target page exists
+        f"link on {origin} to a section {target} lacks: #{fragment}"
+        for origin, target, fragment in sorted(jumps)
+        if target in ids and fragment not in ids[target]
+    ]
     assert not problems, "\n".join(problems[:40])
     pages = {url.removeprefix(site) for url in seen}
     for nb in NOTEBOOKS:

@@ -12,12 +12,14 @@ Usage: ``python tools/build_site.py`` (then open site/index.html, or serve it: s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = ROOT / "build" / "executed"  # written by the test run (conftest.py) and by this script
 SOURCE = ROOT / "build" / "site-src"
+HOOKS = ROOT / "tools" / "site_hooks.py"  # heading ids in every script (mkdocs-jupyter's keep ASCII only)
 FOLD = ROOT / "tools" / "fold_evidence.js"  # folds the cells tagged "evidence", as JupyterLab shows them
 PAGES = [
     "README.md",
@@ -126,11 +129,19 @@ def write_notebook(nb: nbformat.NotebookNode, target: Path) -> None:
     nbformat.write(nb, target)
 
 
+def site_markdown() -> Callable[[str], str]:
+    """mkdocs-jupyter's Markdown renderer with the site's heading ids (HOOKS, loaded as mkdocs loads it)."""
+    spec = importlib.util.spec_from_file_location("site_hooks", HOOKS)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    from mkdocs_jupyter.nbconvert2 import custom_markdown2html
+
+    return custom_markdown2html
+
+
 def site_heading_ids(nb: nbformat.NotebookNode) -> dict[str, str]:
     """A heading's id in JupyterLab (its text, spaces as "-"), which links within a notebook use -> its id on
     the site (mkdocs-jupyter's renderer), so that such a link jumps on both."""
-    import mkdocs_jupyter.convert  # noqa: F401  (gives nbconvert's headings the ids the site's pages get)
-    from mkdocs_jupyter.nbconvert2 import custom_markdown2html
+    custom_markdown2html = site_markdown()
 
     ids = {}
     for cell in nb.cells:
@@ -145,8 +156,7 @@ def site_heading_ids(nb: nbformat.NotebookNode) -> dict[str, str]:
 def heading_anchors(nb: nbformat.NotebookNode) -> dict[str, str]:
     """Section number ("1a", "3") -> the id its heading gets on the site: rendered by mkdocs-jupyter's own
     Markdown renderer, so that the index links where the page's own heading links go."""
-    import mkdocs_jupyter.convert  # noqa: F401  (gives nbconvert's headings the ids the site's pages get)
-    from mkdocs_jupyter.nbconvert2 import custom_markdown2html
+    custom_markdown2html = site_markdown()
 
     anchors: dict[str, str] = {}
     for cell in nb.cells:
@@ -257,9 +267,11 @@ def mkdocs_config(nav: list[str], out: Path) -> Path:
             "font": False,  # the reader's own fonts: the site loads nothing from the network
             "features": ["navigation.footer"],  # previous / next at the bottom of every page
         },
-        "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True}}],  # executed once, above
+        # executed once, above; no render cache: its key ignores tools/site_hooks.py, so old pages outlived it
+        "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True, "cache": False}}],
         "markdown_extensions": ["tables", "fenced_code", "admonition"],
         "extra_javascript": [FOLD.name],
+        "hooks": [str(HOOKS)],
         "nav": [
             {"Home": "index.md"},
             {"Notebooks": main + errors[""]},
