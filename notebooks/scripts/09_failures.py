@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="a word to find this job's processes by (ps, pgrep -f)")
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup()
+    dist.barrier()  # every rank is connected: one that dies now cannot break a peer's connecting first
     pgid = os.getpgid(0) if hasattr(os, "getpgid") else None  # Unix only
     print(json.dumps({"rank": rank, "event": "ready", "pid": os.getpid(), "pgid": pgid}), flush=True)
     if rank == 1 and args.fail:

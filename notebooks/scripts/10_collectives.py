@@ -35,9 +35,9 @@ def main() -> None:
     part = torch.zeros(2, device=device)
     reduce_scatter_single(part, torch.arange(2.0 * world_size, device=device) + 100 * rank)
     got = torch.zeros(1, device=device)
-    works = [dist.isend(torch.tensor([10.0 * (rank + 1)], device=device), dst=(rank + 1) % world_size),
-             dist.irecv(got, src=(rank - 1) % world_size)]  # a ring: from the previous rank, to the next
-    for work in works:
+    ring = [dist.P2POp(dist.isend, torch.tensor([10.0 * (rank + 1)], device=device), (rank + 1) % world_size),
+            dist.P2POp(dist.irecv, got, (rank - 1) % world_size)]  # a ring: to the next, from the previous
+    for work in dist.batch_isend_irecv(ring):  # one batch: NCCL needs it (unbatched, it can stall); gloo too
         work.wait()
     dist.barrier()
     held = {"all_reduce": summed.tolist(), "broadcast": weights.tolist(), "all_gather": gathered.tolist(),
