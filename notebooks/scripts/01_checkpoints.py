@@ -95,8 +95,9 @@ def main() -> None:
     before = gather(checksum(fresh), device)
     state = torch.load(plain_path, map_location=device, weights_only=True)
     fresh.load_state_dict(state)
-    # No barrier needed here: loading is local, and the next collective (below, or DDP's first
-    # forward/backward) waits for every rank anyway.
+    # No barrier needed after the load: loading is local, and no rank changes plain.pt afterwards. (Not because the
+    # next collective waits: on NCCL it returns once queued. Delete or replace a file the others read only after a
+    # dist.barrier() that follows their loads.)
     print(json.dumps({"rank": rank, "case": "load_every_rank", "device": str(device),
                       "loaded_device": str(next(iter(state.values())).device),
                       "before": before, "after": gather(checksum(fresh), device), "trained": trained}))

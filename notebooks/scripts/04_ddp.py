@@ -555,7 +555,8 @@ def forward_and_read(ddp: DDP, how: str, device: torch.device) -> list[float]:
 
 
 def join_buffers(rank, device, n_batches: int, **kwargs) -> dict:
-    """Buffers under Join: a rank-specific value before every step, and another one after the last."""
+    """Buffers under Join: a rank-specific value before every step, another one after the last, and one more
+    forward after the block."""
     torch.manual_seed(0)
     ddp = wrap(WithOffset().to(device), device, **kwargs)
     seen = []
@@ -565,7 +566,10 @@ def join_buffers(rank, device, n_batches: int, **kwargs) -> dict:
             ddp(torch.randn(2, 8, device=device)).sum().backward()
             seen.append(ddp.module.offset[0].item())  # what the forward's buffer sync (if any) left here
         ddp.module.offset.fill_(float(100 + rank))  # after the last forward: only Join's final sync can copy it
-    return {"seen": seen, "after_join": gather(ddp.module.offset[0].item(), device)}
+    after_join = gather(ddp.module.offset[0].item(), device)
+    ddp.module.offset.fill_(float(rank))  # the block is over, but Join left the wrapper in join mode: whose buffer now?
+    ddp(torch.randn(2, 8, device=device)).sum().backward()
+    return {"seen": seen, "after_join": after_join, "forward_after_join": gather(ddp.module.offset[0].item(), device)}
 
 
 def case_buffer_flags(rank, world_size, device, args) -> dict:
