@@ -162,6 +162,15 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
         ["runs/fidelity09"],
     ),
     ("10_collectives.py", [], {"nproc_per_node": 2}, []),
+    # Notebook 11: a case of each script whose records name no process or port.
+    ("11_launching.py", ["--case", "before-init"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    ("11_ddp.py", ["--case", "unfreeze"], {"nproc_per_node": 2, "backend": "gloo"}, []),
+    (
+        "11_data.py",
+        ["--case", "prepare", "--out", "runs/fidelity11"],
+        {"nproc_per_node": 2, "backend": "gloo"},
+        ["runs/fidelity11"],
+    ),
 ]
 
 

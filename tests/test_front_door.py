@@ -29,6 +29,7 @@ CHAIN = [
     "07_debugging",
     "08_real_training_script",
     "09_errors_learners_meet",
+    "11_more_errors",
     "00_quickstart",
 ]
 SECTION_LINK = re.compile(r"\[(\d\d) §(\d+[a-z]?)\]\((\d\d_\w+\.ipynb)\)")
