@@ -40,10 +40,14 @@ def batch_for(epoch: int, rank: int, batch_size: int, device: torch.device) -> t
 
 
 def save_snapshot(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, epochs_done: int) -> None:
-    """Rank 0 only: write to a temporary file, then rename, so a crash never leaves half a snapshot."""
+    """Rank 0 only: a temporary file, flushed to disk, then renamed: a crash, even a power cut, never leaves half a
+    snapshot."""
     tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_done": epochs_done}, tmp)
-    os.replace(tmp, path)
+    with open(tmp, "wb") as f:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_done": epochs_done}, f)
+        f.flush()
+        os.fsync(f.fileno())  # durable: the bytes are on disk before the new name can point at them
+    os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half of either
 
 
 def main() -> None:
