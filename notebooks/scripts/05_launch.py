@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                      "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                      "OMP_NUM_THREADS")
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NODEID", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID")  # under srun
 
 
@@ -79,6 +80,8 @@ def main() -> None:
     args = parser.parse_args()
 
     env = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
+    if env["TORCHELASTIC_ERROR_FILE"]:  # in the launch's log folder, new every launch: keep the file's name
+        env["TORCHELASTIC_ERROR_FILE"] = os.path.basename(env["TORCHELASTIC_ERROR_FILE"])
     local_rank = int(os.environ["LOCAL_RANK"])  # which device on this machine
     rank = int(os.environ[args.rank_from])  # who I am in the job: RANK, not LOCAL_RANK
     world_size = args.world_size or int(os.environ["WORLD_SIZE"])

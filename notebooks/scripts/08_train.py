@@ -310,21 +310,22 @@ class GlobalAvgPool(nn.Module):
         return x.mean((2, 3), keepdim=True)
 
 
-# Workaround for an upstream issue (torch 2.14, pytorch#135712): with --max-restarts, a restarted attempt can read
-# the failed one's addresses in torchrun's store, so each attempt gets keys of its own. Proof: notebook 05.
+# Workaround for an upstream issue (torch 2.14, pytorch#135712): workers that torchrun starts again (--max-restarts, a
+# node joining --nnodes=MIN:MAX) meet the old store: each attempt gets keys of its own, or refuses. Proof: notebook 05.
 def join_process_group(backend: str, **options) -> None:
-    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # no store shared by attempts
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store of this attempt's own: nothing left behind
         return dist.init_process_group(backend, **options)  # env://
-    if os.environ["LOCAL_WORLD_SIZE"] != os.environ["WORLD_SIZE"]:  # restart counts are per node: one node only
-        raise RuntimeError("torchrun --max-restarts on several nodes: with c10d rendezvous, set "
-                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node. Static rendezvous (--master-addr/"
-                           "--master-port) ignores that switch: launch with --rdzv-backend=c10d "
-                           "--rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-    dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), **options)
+    if os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"] or os.environ["TORCHELASTIC_MAX_RESTARTS"] == "0":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)  # counts: per node
+        first = attempt.compare_set("world_size", "", os.environ["WORLD_SIZE"]).decode()  # whoever came first set it
+        if attempt.add(f"rank{os.environ['RANK']}", 1) == 1 and first == os.environ["WORLD_SIZE"]:  # a count unused
+            return dist.init_process_group(backend, store=attempt, rank=int(os.environ["RANK"]),
+                                           world_size=int(os.environ["WORLD_SIZE"]), **options)
+    raise RuntimeError("torchrun restarts workers on one store, where TORCHELASTIC_RESTART_COUNT cannot tell the "
+                       "attempts apart: with c10d rendezvous, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node. "
+                       "Static rendezvous (--master-addr/--master-port) ignores that switch: launch with "
+                       "--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT and the switch (see notebook 05)")
 
 
 if __name__ == "__main__":
