@@ -1,7 +1,8 @@
 """Run the series on other torch releases: a cached environment per minor version, a table of what breaks.
 
     python tools/torch_matrix.py [2.M ...] [--floor] [--notebooks [--solutions]] [--only NN ...] [--check]
-                                 [--warm-only] [--keep-envs] [--save-sources] [--write-table] [--prepare]
+                                 [--warm-only] [--version-specific] [--keep-envs] [--save-sources]
+                                 [--write-table] [--prepare]
     python tools/torch_matrix.py --table [--write-table]
 
 Versions: the ones named, ``--floor`` (the floor pyproject.toml declares, ``torch>=2.M``), or by default
@@ -28,6 +29,11 @@ in a fresh copy of the working tree (the files git tracks or does not ignore):
    differs between versions (their text says which); a failure there is reported as such. Notebook 05's
    SLURM cells (section 7) run where the practice cluster of tools/slurm_cluster.sh answers, with the version
    under test; elsewhere they print one line and pass, and the table says they did not run.
+3. ``--version-specific`` (CI's floor check adds it; not on the pinned version, which the test suite runs):
+   every notebook that holds ``version-specific`` cells, run under nbmake up to its last such cell (the cells
+   after it left out), where those cells must pass as every other: a version-specific cell asserts what the
+   torch it runs on does, on each side, and never raises on a release the project declares; a learner's
+   Run All stops at the first cell that raises. Needs the notebooks' environment, as ``--notebooks``.
 
 Results: ``tools/torch-matrix-results/torch-2.M.json``, committed with the table they render (a rerun of some
 notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that MEASURES.md's table is what they
@@ -35,9 +41,10 @@ render); the table goes to stdout and, with ``--write-table`` (or its old name `
 MEASURES.md between ``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs,
 with ``--floor --warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its
 results in the cache (``results/``), not with the table's, and exits 1 unless every case passes on every
-version run.
-``--prepare`` only makes the environments (the pinned version needs none here); CI runs it beside the test
-suite, so that the floor check after the suite finds its environment ready.
+version run, and every notebook ``--version-specific`` ran passes.
+``--prepare`` only makes the environments (the pinned version needs none here), with the notebooks' when
+``--notebooks`` or ``--version-specific`` says so; CI runs it beside the test suite, so that the floor check
+after the suite finds its environment ready.
 
 Why a script of our own and not nox: nox would make and reuse the environments (about 30 lines here), but not
 pair torchvision with torch, limit a child's time, kill what a hung notebook leaves behind, remove 6 GB
@@ -655,6 +662,31 @@ def let_version_specific_cells_fail(text: str) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 
 
+def up_to_last_version_specific_cell(text: str) -> str:
+    """A notebook's JSON without the cells after its last version-specific cell (``--version-specific``): the
+    cells it needs come before it; its version-specific cells are not let fail."""
+    nb = json.loads(text)
+    tagged = [i for i, c in enumerate(nb.get("cells", [])) if VERSION_SPECIFIC in _tags(c)]
+    if tagged:
+        nb["cells"] = nb["cells"][: tagged[-1] + 1]
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def _tags(cell: Mapping[str, Any]) -> list[str]:
+    return cell.get("metadata", {}).get("tags", [])
+
+
+def version_specific_paths(src: Path, only: Sequence[str]) -> list[str]:
+    """The notebooks (not solutions, nor the translations: their code cells are the English ones) that hold a
+    version-specific cell."""
+    paths = notebook_paths(src, False, only)
+    return [
+        p
+        for p in paths
+        if any(VERSION_SPECIFIC in _tags(c) for c in json.loads((src / p).read_text())["cells"])
+    ]
+
+
 def _error_of(output: Mapping[str, Any]) -> tuple[str, bool]:
     """One line for an error output of a cell, and whether it was a hang."""
     lines = [ln.strip() for ln in _plain(str(output.get("evalue", ""))).splitlines() if ln.strip()] or [""]
@@ -726,7 +758,17 @@ def uses_slurm(notebook: Path) -> bool:
     return "practice_cluster_missing" in notebook.read_text()
 
 
-def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeout: int, limit: float) -> dict:
+def run_notebooks(
+    python: Path,
+    log_dir: Path,
+    paths: Sequence[str],
+    cell_timeout: int,
+    limit: float,
+    version_specific: bool = False,
+) -> dict:
+    """Each notebook under nbmake, one at a time: whole, its version-specific cells let fail; or (
+    ``version_specific``) up to its last version-specific cell, where those must pass."""
+    prepare = up_to_last_version_specific_cell if version_specific else let_version_specific_cells_fail
     results = {}
     slurm = slurm_missing(python) if any(uses_slurm(SRC / rel) for rel in paths) else None
     for rel in paths:
@@ -747,10 +789,10 @@ def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeou
             rel,
         ]
         before = (SRC / rel).read_text()
-        (SRC / rel).write_text(let_version_specific_cells_fail(before))
+        (SRC / rel).write_text(prepare(before))
         done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
         after = (SRC / rel).read_text()
-        executed = json.loads(after) if after != let_version_specific_cells_fail(before) else None
+        executed = json.loads(after) if after != prepare(before) else None
         if executed is not None:
             shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
             (SRC / rel).write_text(
@@ -777,7 +819,8 @@ def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeou
             + f" ({done['seconds']:.0f} s)",
             flush=True,
         )
-    return {"date": today(), "cell_timeout": cell_timeout, "results": results}
+    cut = {"up_to": "the last version-specific cell"} if version_specific else {}
+    return {"date": today(), "cell_timeout": cell_timeout, "results": results, **cut}
 
 
 # ---- results and the table ---------------------------------------------------------------------------------
@@ -850,6 +893,16 @@ def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str])
             if verdict not in OK:
                 bad.append(f"{row['torch']} {key}: {verdict} ({detail})")
     return bad
+
+
+def notebook_failures(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every notebook a --check run ran (``results``: its versions' results) whose verdict is not a pass."""
+    return [
+        f"{row['torch']} {rel}: {v['status']} in cell {v.get('cell')}: {v.get('error')}"
+        for row in results
+        for rel, v in sorted((row.get("notebooks") or {}).get("results", {}).items())
+        if v["status"] != "pass"
+    ]
 
 
 def _tree(source: Mapping[str, Any] | None) -> str:
@@ -981,14 +1034,15 @@ def replace_between_markers(text: str, block: str) -> str:
 
 def run_version(
     pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[str, str], results: Path
-) -> None:
+) -> dict[str, Any]:
+    """Run one version: its scripts, its notebooks; store the result and return it."""
     print(f"  {pair['minor']}: torch {pair['torch']} + torchvision {pair['torchvision']}", flush=True)
     source = copy_worktree()
     is_pinned = pair["torch"] == pinned["torch"]
     if is_pinned and own_python_has(pair):
         python, info = Path(sys.executable), {"env": "this interpreter's", "reused": True}
     else:
-        python, info = ensure_env(pair, notebooks=args.notebooks)
+        python, info = ensure_env(pair, notebooks=args.notebooks or args.version_specific)
     print(
         f"    environment {info['env']}: "
         + ("reused" if info["reused"] else f"installed in {info['install_seconds']} s"),
@@ -1007,13 +1061,16 @@ def run_version(
         s["source"] = source
         ran_out = " (time ran out)" if s["timed_out"] else ""
         print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
-    if args.notebooks:
+    if args.notebooks or (args.version_specific and not is_pinned):
         result["notebooks"] = run_notebooks(
             python,
             log_dir,
-            notebook_paths(SRC, args.solutions, args.only),
+            notebook_paths(SRC, args.solutions, args.only)
+            if args.notebooks
+            else version_specific_paths(SRC, args.only),
             args.cell_timeout,
             args.notebook_timeout,
+            version_specific=not args.notebooks,
         )
         for verdict in result["notebooks"]["results"].values():
             verdict["source"] = source  # kept with each notebook: a later run of others keeps this one
@@ -1021,6 +1078,7 @@ def run_version(
     keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
     if not keep and python.parent.parent.parent == ENVS:
         shutil.rmtree(python.parent.parent, ignore_errors=True)
+    return result
 
 
 def hold_cache_lock():
@@ -1067,6 +1125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="each case launched once, warm, as the notebooks launch it (CI's floor check), not also cold",
     )
+    parser.add_argument(
+        "--version-specific",
+        action="store_true",
+        help="the notebooks with version-specific cells, up to the last, which must pass (not on the pinned)",
+    )
     parser.add_argument("--save-sources", action="store_true", help=f"keep torch/*.py under {SOURCES}")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds a notebook cell may take")
     parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds a notebook may take")
@@ -1089,6 +1152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pinned = pinned_pair()
     results = CHECKS if args.check else RESULTS  # a check's runs do not change the committed table
     ran: list[str] = []
+    fresh: list[dict[str, Any]] = []  # this run's results (a check's store keeps earlier runs' notebooks too)
     if not args.table:
         become_subreaper()
         signal.signal(signal.SIGTERM, _interrupted)
@@ -1115,7 +1179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ran.append(pair["minor"])
             if args.prepare:
                 if pair["torchvision"] is not None and pair["torch"] != pinned["torch"]:
-                    _, info = ensure_env(pair, notebooks=args.notebooks)
+                    notebooks = args.notebooks or args.version_specific
+                    if notebooks:
+                        copy_worktree()  # the project, installed from the copy the notebooks will run in
+                    _, info = ensure_env(pair, notebooks=notebooks)
                     how = "reused" if info["reused"] else f"installed in {info['install_seconds']} s"
                     print(f"  {pair['minor']}: environment {info['env']}: {how}", flush=True)
                 continue
@@ -1123,7 +1190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {pair['minor']}: {pair['why']}", flush=True)
                 store({**pair, "date": today(), "source": tree_source()}, results)
                 continue
-            run_version(pair, args, pinned, results)
+            result = run_version(pair, args, pinned, results)
+            fresh += [result] if result else []
     if args.prepare:
         return 0
     rows = [r for r in load_results(results) if minor_of(r["minor"]) >= declared_floor()]  # older: not shown
@@ -1133,7 +1201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (ROOT / TABLE_PAGE).write_text(replace_between_markers((ROOT / TABLE_PAGE).read_text(), table))
         print(f"torch_matrix: wrote the table into {TABLE_PAGE}")
     if args.check:
-        bad = check_failures([r for r in rows if r["minor"] in ran], pinned)
+        bad = check_failures([r for r in rows if r["minor"] in ran], pinned) + notebook_failures(fresh)
         print(
             "\n".join(["torch_matrix --check: failed:", *bad])
             if bad
