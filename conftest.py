@@ -94,18 +94,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_call(item: pytest.Item):
     """A notebook runs in strict mode: its kernel, and every launch from it, inherit DDP_STRICT_BACKEND=1, so
     a hang or gloo's abort from a launch that does not pin gloo fails the cell (on NCCL it would not happen
-    so). The package's own tests run without it: they test what a learner gets."""
-    if item.path.suffix != ".ipynb":
+    so); DDP_STRICT_BACKEND=0 in the environment turns it off. The package's own tests run without it: they
+    test what a learner gets."""
+    if item.path.suffix != ".ipynb" or os.environ.get(STRICT_VARIABLE):
         return (yield)
-    before = os.environ.get(STRICT_VARIABLE)
     os.environ[STRICT_VARIABLE] = "1"
     try:
         return (yield)
     finally:
-        if before is None:
-            os.environ.pop(STRICT_VARIABLE, None)
-        else:
-            os.environ[STRICT_VARIABLE] = before
+        os.environ.pop(STRICT_VARIABLE, None)
 
 
 @pytest.fixture(scope="session")
