@@ -1,11 +1,12 @@
 """Strict mode, for the series' own tests: evidence only gloo gives must come from a launch pinned to gloo.
 
 On a machine with one GPU per rank the scripts and the rank REPL pick NCCL (``environment.launch_backend``),
-where a lone collective returns at once instead of hanging and no size check aborts a rank. So a launch, or a
-``%%ranks`` cell, that ends as a hang or with a rank that gloo aborted (SIGABRT) shows what it shows only on
-gloo. With ``DDP_STRICT_BACKEND=1`` in the environment (the root conftest.py sets it while nbmake runs a
-notebook), such an ending in a launch that did not pin gloo raises ``BackendNotPinnedError`` instead of the
-usual ``TorchrunError``, so the cell that expected the hang fails. Without the variable nothing changes.
+where a lone collective returns at once instead of hanging and no size check aborts a rank. So a launch
+(``torchrun()``, ``sbatch()``) or a ``%%ranks`` cell that ends as a hang, or with a rank that gloo aborted
+(SIGABRT), shows what it shows only on gloo. With ``DDP_STRICT_BACKEND=1`` in the environment (the root
+conftest.py sets it while nbmake runs a notebook), such an ending in a launch that did not pin gloo raises
+``BackendNotPinnedError`` instead of the usual ``TorchrunError``, so the cell that expected the hang fails.
+Without the variable nothing changes.
 """
 
 from __future__ import annotations
