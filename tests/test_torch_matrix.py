@@ -248,6 +248,37 @@ def test_the_floor_check_runs_each_notebook_up_to_its_last_version_specific_cell
         assert (rel in paths) == tagged, (rel, tagged, paths)
 
 
+def _src(source, tags=()):
+    return {**_code(tags=tags), "source": source}
+
+
+def test_the_floor_check_runs_only_the_cells_its_version_specific_cells_need():
+    """By the names they read, the last cell to bind each before; os.chdir, %load_ext and %%writefile always;
+    the other code cells emptied, so a verdict's cell index is the file's. Where a cell cannot be read, or a
+    version-specific cell runs on the ranks, every cell up to the last runs."""
+    cells = [
+        _src("import os\nos.chdir('x')"),
+        _src("%%writefile scripts/a.py\nprint(1)"),
+        _src("result = torchrun('scripts/a.py')  # slow, and nobody needs it"),
+        MD,
+        _src("rec = {r['k']: r for r in run()}\n!echo hi"),
+        _src("from helpers import run"),  # binds run after the cell that reads it: not needed for it
+        _src("rec['x'] = 1"),  # changes rec
+        _src("for r in rec: print(r)\nassert rec['x'] == 1, rec", tags=[tm.VERSION_SPECIFIC]),
+        _src("late = 1"),
+    ]
+    cells.insert(4, _src("def run():\n    return helper()"))
+    cells.insert(4, _src("helper = list"))
+    out = json.loads(tm.version_specific_slice(json.dumps(_nb(cells))))
+    kept = [i for i, c in enumerate(out["cells"]) if c["cell_type"] == "code" and c["source"]]
+    assert len(out["cells"]) == 10 and kept == [0, 1, 4, 5, 6, 8, 9], [c["source"] for c in out["cells"]]
+    unreadable = [*cells[:2], _src("x = (1,"), cells[9]]
+    out = json.loads(tm.version_specific_slice(json.dumps(_nb(unreadable))))
+    assert [c["source"] for c in out["cells"]] == [c["source"] for c in unreadable], out
+    on_ranks = [_src("a = 1"), _src("%%ranks\nb = a", tags=[tm.VERSION_SPECIFIC])]
+    assert all(c["source"] for c in json.loads(tm.version_specific_slice(json.dumps(_nb(on_ranks))))["cells"])
+
+
 def test_a_check_fails_on_a_notebook_the_floor_check_ran_and_that_failed(tmp_path, monkeypatch):
     ran = []
     monkeypatch.setattr(tm, "CACHE", tmp_path)

@@ -30,10 +30,12 @@ in a fresh copy of the working tree (the files git tracks or does not ignore):
    SLURM cells (section 7) run where the practice cluster of tools/slurm_cluster.sh answers, with the version
    under test; elsewhere they print one line and pass, and the table says they did not run.
 3. ``--version-specific`` (CI's floor check adds it; not on the pinned version, which the test suite runs):
-   every notebook that holds ``version-specific`` cells, run under nbmake up to its last such cell (the cells
-   after it left out), where those cells must pass as every other: a version-specific cell asserts what the
-   torch it runs on does, on each side, and never raises on a release the project declares; a learner's
-   Run All stops at the first cell that raises. Needs the notebooks' environment, as ``--notebooks``.
+   every notebook that holds ``version-specific`` cells, where those cells must pass as every other: a
+   version-specific cell asserts what the torch it runs on does, on each side, and never raises on a release
+   the project declares; a learner's Run All stops at the first cell that raises. To fit CI's time, each runs
+   the cells its version-specific cells need (``version_specific_slice``: by the names they read, the other
+   code cells emptied); where that fails, every cell up to the last version-specific one runs, and that run's
+   verdict counts. Needs the notebooks' environment, as ``--notebooks``.
 
 Results: ``tools/torch-matrix-results/torch-2.M.json``, committed with the table they render (a rerun of some
 notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that MEASURES.md's table is what they
@@ -56,6 +58,8 @@ process is their subreaper, so that nothing they start outlives them (a timeout 
 from __future__ import annotations
 
 import argparse
+import ast
+import builtins
 import datetime
 import fcntl
 import json
@@ -67,7 +71,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -676,6 +680,79 @@ def _tags(cell: Mapping[str, Any]) -> list[str]:
     return cell.get("metadata", {}).get("tags", [])
 
 
+def _source(cell: Mapping[str, Any]) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _names(source: str) -> tuple[set[str], set[str], bool] | None:
+    """What a code cell binds, what it reads that it does not bind itself, and whether it must run in any
+    case (it changes the folder or loads or starts something: os.chdir, %load_ext, %ranks start, and every
+    %%writefile); None where its Python cannot be read (then the whole notebook runs)."""
+    if source.startswith("%%"):  # a cell magic: what it does is not the kernel's Python
+        return set(), set(), source.startswith("%%writefile")
+    lines = [re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in source.split("\n")]  # line magics, !cmd
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+    binds, reads, changes = set(), set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (binds if isinstance(node.ctx, (ast.Store, ast.Del)) else reads).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            binds.add(node.name)
+        elif isinstance(node, ast.arg):
+            binds.add(node.arg)
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            base = node
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                changes.add(base.id)  # x[k] = ...: reads x, and a later cell that reads x needs this one
+    must = bool(re.search(r"os\.chdir|^\s*%load_ext|^\s*%ranks start", source, re.M))
+    return binds | changes, reads - (binds - changes) - set(dir(builtins)), must
+
+
+def version_specific_slice(text: str) -> str:
+    """A notebook's JSON as ``up_to_last_version_specific_cell`` makes it, with the code cells that no
+    version-specific cell needs emptied (nbclient skips an empty cell; the indices stay the file's): a cell is
+    needed when it runs in any case (``_names``) or binds a name that a needed cell reads (the last to bind
+    it before). Where a cell cannot be read, or a version-specific cell is a %%ranks cell (the ranks hold
+    their own state), every cell up to the last runs."""
+    nb = json.loads(up_to_last_version_specific_cell(text))
+    cells = nb.get("cells", [])
+    code = {i: _source(c) for i, c in enumerate(cells) if c.get("cell_type") == "code"}
+    tagged = [i for i, c in enumerate(cells) if VERSION_SPECIFIC in _tags(c)]
+    names = {i: _names(source) for i, source in code.items()}
+    if not tagged or any(v is None for v in names.values()) or any(code[i].startswith("%%") for i in tagged):
+        return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    needed, todo = set(tagged), list(tagged)
+    while todo:
+        i = todo.pop()
+        reads = set(names[i][1])
+        if "_" in reads:  # IPython's last result: the cell before
+            earlier = [j for j in code if j < i]
+            reads.discard("_")
+            if earlier and earlier[-1] not in needed:
+                needed.add(earlier[-1])
+                todo.append(earlier[-1])
+        for name in reads:
+            binder = next((j for j in sorted(code, reverse=True) if j < i and name in names[j][0]), None)
+            if binder is not None and binder not in needed:
+                needed.add(binder)
+                todo.append(binder)
+    needed |= {i for i in code if names[i][2]}
+    for i in code:
+        if i not in needed:
+            cells[i]["source"] = ""
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
 def version_specific_paths(src: Path, only: Sequence[str]) -> list[str]:
     """The notebooks (not solutions, nor the translations: their code cells are the English ones) that hold a
     version-specific cell."""
@@ -767,43 +844,24 @@ def run_notebooks(
     version_specific: bool = False,
 ) -> dict:
     """Each notebook under nbmake, one at a time: whole, its version-specific cells let fail; or (
-    ``version_specific``) up to its last version-specific cell, where those must pass."""
-    prepare = up_to_last_version_specific_cell if version_specific else let_version_specific_cells_fail
+    ``version_specific``) the cells its version-specific cells need (``version_specific_slice``), where those
+    must pass, and where that fails, every cell up to the last version-specific one, whose verdict counts (a
+    slice that missed a cell's side effect costs time, never a false failure)."""
     results = {}
     slurm = slurm_missing(python) if any(uses_slurm(SRC / rel) for rel in paths) else None
     for rel in paths:
-        log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
-        cmd = [
-            python,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "addopts=",
-            "-o",
-            "timeout=0",
-            "--nbmake",
-            f"--nbmake-timeout={cell_timeout}",
-            "--overwrite",
-            rel,
-        ]
-        before = (SRC / rel).read_text()
-        (SRC / rel).write_text(prepare(before))
-        done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
-        after = (SRC / rel).read_text()
-        executed = json.loads(after) if after != prepare(before) else None
-        if executed is not None:
-            shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
-            (SRC / rel).write_text(
-                before
-            )  # the next notebook (a solutions notebook reads its own) sees the original
-        verdict = {
-            **notebook_verdict(done, log.read_text(errors="replace"), executed),
-            "seconds": done["seconds"],
-        }
-        if done["leftovers"]:
-            verdict["leftovers"] = done["leftovers"]
+        if not version_specific:
+            verdict = _run_notebook(
+                python, log_dir, rel, let_version_specific_cells_fail, cell_timeout, limit
+            )
+        else:
+            verdict = _run_notebook(python, log_dir, rel, version_specific_slice, cell_timeout, limit)
+            if verdict["status"] != "pass":
+                sliced = {k: verdict[k] for k in ("status", "cell", "error", "seconds") if k in verdict}
+                verdict = _run_notebook(
+                    python, log_dir, rel, up_to_last_version_specific_cell, cell_timeout, limit
+                )
+                verdict["slice"] = sliced
         if slurm and uses_slurm(SRC / rel):  # the SLURM cells printed this line and passed
             verdict["slurm_not_run"] = slurm
         results[rel] = verdict
@@ -816,11 +874,58 @@ def run_notebooks(
                 if verdict["status"] != "pass"
                 else ""
             )
-            + f" ({done['seconds']:.0f} s)",
+            + f" ({verdict['seconds']:.0f} s"
+            + (
+                f"; the slice: {verdict['slice']['status']}, {verdict['slice']['seconds']:.0f} s"
+                if "slice" in verdict
+                else ""
+            )
+            + ")",
             flush=True,
         )
-    cut = {"up_to": "the last version-specific cell"} if version_specific else {}
+    cut = {"cells": "those the version-specific cells need"} if version_specific else {}
     return {"date": today(), "cell_timeout": cell_timeout, "results": results, **cut}
+
+
+def _run_notebook(
+    python: Path, log_dir: Path, rel: str, prepare: Callable[[str], str], cell_timeout: int, limit: float
+) -> dict[str, Any]:
+    """One nbmake run of ``prepare``(the notebook), in SRC; the file is restored after."""
+    log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-o",
+        "timeout=0",
+        "--nbmake",
+        f"--nbmake-timeout={cell_timeout}",
+        "--overwrite",
+        rel,
+    ]
+    before = (SRC / rel).read_text()
+    (SRC / rel).write_text(prepare(before))
+    try:
+        done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
+        after = (SRC / rel).read_text()
+        executed = json.loads(after) if after != prepare(before) else None
+        if executed is not None:
+            shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
+    finally:
+        (SRC / rel).write_text(
+            before
+        )  # the next notebook (a solutions notebook reads its own) sees the original
+    verdict = {
+        **notebook_verdict(done, log.read_text(errors="replace"), executed),
+        "seconds": done["seconds"],
+    }
+    if done["leftovers"]:
+        verdict["leftovers"] = done["leftovers"]
+    return verdict
 
 
 # ---- results and the table ---------------------------------------------------------------------------------
