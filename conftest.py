@@ -1,7 +1,9 @@
 """The test run as a whole: every test guarded against an escaping KeyboardInterrupt; the tests spread over
-pytest-xdist's workers, longest first, no two at once that share files or the SLURM cluster; and every
-notebook that nbmake runs successfully kept, with its outputs, in build/executed/ (git-ignored), so that
-tools/build_site.py builds the readable edition from it instead of executing every notebook a second time."""
+pytest-xdist's workers, longest first, no two at once that share files or the SLURM cluster; every notebook
+run in strict mode (ddp_helpers/_strict.py: a hang or gloo's abort in a launch that does not pin gloo fails
+its cell); and every notebook that nbmake runs successfully kept, with its outputs, in build/executed/
+(git-ignored), so that tools/build_site.py builds the readable edition from it instead of executing every
+notebook a second time."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbmake.nb_run import NotebookRun
+
+from ddp_helpers._strict import STRICT_VARIABLE
 
 # Every test: a KeyboardInterrupt that escapes it fails that test alone (tests/interrupt_guard.py).
 pytest_plugins = ["tests.interrupt_guard"]
@@ -84,6 +88,21 @@ def pytest_configure(config: pytest.Config) -> None:
             if time.time() - folder.stat().st_mtime > 86400:
                 shutil.rmtree(folder, ignore_errors=True)
     _run_folder = RUNS / (worker["testrunuid"] if worker else uuid.uuid4().hex)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A notebook runs in strict mode: its kernel, and every launch from it, inherit DDP_STRICT_BACKEND=1, so
+    a hang or gloo's abort from a launch that does not pin gloo fails the cell (on NCCL it would not happen
+    so); DDP_STRICT_BACKEND=0 in the environment turns it off. The package's own tests run without it: they
+    test what a learner gets."""
+    if item.path.suffix != ".ipynb" or os.environ.get(STRICT_VARIABLE):
+        return (yield)
+    os.environ[STRICT_VARIABLE] = "1"
+    try:
+        return (yield)
+    finally:
+        os.environ.pop(STRICT_VARIABLE, None)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,12 @@ still says the most):
      (asserted); two uninterrupted runs with and without --deterministic (reported);
   2. notebook 01's map_location cases on cuda (the checkpoint loads onto the rank's GPU);
   3. every notebook's script on NCCL, one rank per GPU (00-07), SyncBatchNorm on CUDA, the capstone's figures;
-  4. every notebook top to bottom under nbmake (each in its own copy of the repository, several at once).
+  4. with 2+ GPUs (one per rank), what the notebooks pin gloo for, on NCCL: the hangs of 04 and 07, each as
+     the notebook launches it and then left alone under a 10 s process-group timeout (NCCL's watchdog line,
+     the flight recorder's dump, exit codes, seconds), and 10's %%ranks (a lone all_reduce on rank 0, then a
+     cell on both ranks); recorded, not asserted. With fewer GPUs each of these says it was skipped;
+     `--only "2+ GPUs" --hang-backend gloo` (and GPU_CHECK_ON_CPU=1) rehearses them on the CPU;
+  5. every notebook top to bottom under nbmake (each in its own copy of the repository, several at once).
 Each check prints one JSON line {"check": ..., "ok": ..., ...}; the exit code is the number of failed checks.
 
 Usage, from the repository root on a machine with CUDA and the test extras installed:
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +40,7 @@ from pathlib import Path
 
 import capstone_scaling  # beside this file (python puts the script's folder on sys.path)
 
-from ddp_helpers import describe_environment, make_image_folder, torchrun
+from ddp_helpers import RankGroup, TorchrunError, describe_environment, make_image_folder, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -107,6 +113,11 @@ parser.add_argument(
     "--notebook-glob", default="[0-9][0-9]_*.ipynb", help="which notebooks (in notebooks/ and solutions/)"
 )
 parser.add_argument("--only", nargs="*", help="run only the checks whose names contain one of these words")
+parser.add_argument(
+    "--hang-backend",
+    choices=("gloo",),
+    help="pin the 2+ GPU hang checks to gloo: a rehearsal of their code on the CPU (with GPU_CHECK_ON_CPU=1)",
+)
 cli = parser.parse_args()
 
 info = describe_environment(verbose=False)
@@ -291,6 +302,177 @@ def _():
         for name in ("DDP 1 rank", "plain python")
     }
     return {"val_acc": done["val_acc"], "samples_per_s": figures}
+
+
+# ---- 2+ GPUs: the hang demonstrations on NCCL (issue 31) ---------------------------------------------------
+# Notebooks 04, 07 and 10 pin gloo for their hangs; a learner on a machine with a GPU per rank who does not
+# gets NCCL, where a collective only queues work on the GPU. Each case runs twice: as the notebook launches
+# it (stall_timeout: the helper's diagnosis and where each rank's stack was), and left alone under a process
+# group timeout of PG_TIMEOUT seconds (a wrapper sets it), to see what NCCL itself does: the watchdog's lines,
+# the flight recorder's dump (TORCH_NCCL_DUMP_ON_TIMEOUT=1), the exit codes, how long. Nothing is asserted
+# about NCCL: each check records what it saw. With fewer than 2 GPUs each says it was skipped; --hang-backend
+# gloo rehearses the same code on the CPU.
+PG_TIMEOUT = 10  # seconds
+HANG_LIMIT = 90.0  # every launch's wall-clock limit (NCCL's own timeout here: PG_TIMEOUT)
+SHORT_PG = """\
+# gpu_check.py: run a series script with a short process-group timeout, to see NCCL's watchdog within seconds.
+import datetime
+import os
+import runpy
+import sys
+
+import torch.distributed as dist
+
+_init = dist.init_process_group
+
+
+def init_process_group(*args, **kwargs):
+    if kwargs.get("timeout") is None:
+        kwargs["timeout"] = datetime.timedelta(seconds=float(os.environ["GPU_CHECK_PG_TIMEOUT"]))
+    return _init(*args, **kwargs)
+
+
+dist.init_process_group = init_process_group
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+HANG_CASES = [  # (notebook, the script and its arguments, what the notebook shows on gloo)
+    ("04", ["04_ddp.py", "--cases", "uneven_no_join"], "rank 0 waits inside backward"),
+    ("04", ["04_ddp.py", "--cases", "join_all_gather"], "rank 0 waits in its metric all_gather"),
+    ("04", ["04_ddp.py", "--cases", "join_all_reduce"], "gloo aborts rank 0, SIGABRT: the sizes differ"),
+    ("04", ["04_ddp.py", "--cases", "eval_wrapper"], "rank 0 waits in DDP's buffer broadcast"),
+    ("07", ["07_gallery.py", "--case", "rank0-barrier", "--buggy"], "each rank waits in its own barrier"),
+    ("07", ["07_gallery.py", "--case", "save-in-branch", "--buggy"], "each rank waits in a different call"),
+    ("07", ["07_tools.py", "--case", "late-rank", "--late", "40"], "rank 0 waits in all_reduce for rank 1"),
+]
+
+
+def two_gpus(name: str):
+    """``check``, for what needs a GPU per rank: with fewer GPUs, one line that says what was skipped."""
+
+    def wrap(fn):
+        if gpus >= 2 or cli.hang_backend == "gloo":
+            return check(name)(fn)
+        if not cli.only or any(word in name for word in cli.only):
+            why = f"needs 2+ GPUs (one per rank), found {gpus}"
+            print(json.dumps({"check": name, "ok": True, "skipped": why}), flush=True)
+        return fn
+
+    return wrap
+
+
+def script_frames(stack: str, limit: int = 3) -> list[str]:
+    """The innermost frames of a stack dump in the scripts or a %%ranks cell, as ``file:line in f``."""
+    frames = []
+    for line in stack.splitlines():
+        line = line.strip()
+        if line.startswith("File ") and ("/scripts/" in line or "<ranks cell" in line):
+            path, _, rest = line[len("File ") :].partition(", line ")
+            frames.append(f"{Path(path.strip(chr(34))).name}:{rest}")
+    return frames[:limit]
+
+
+def seen_error(err: Exception, started: float) -> dict:
+    """What a learner sees of a launch that did not finish: its kind, exit codes, first lines, how long."""
+    seen: dict = {"seconds": round(time.monotonic() - started, 1), "error": type(err).__name__}
+    if not isinstance(err, TorchrunError):
+        return {**seen, "message": str(err)[:500]}
+    seen["exitcodes"] = err.result.exitcodes
+    seen["message"] = str(err).splitlines()[:3]
+    if err.hung:  # the helper's diagnosis, and where each rank was
+        seen["stuck_ranks"] = err.stuck_ranks
+        seen["where"] = {r: script_frames(s) for r, s in err.stacks.items()}
+    else:
+        seen["rank"], seen["exitcode"] = err.rank, err.exitcode
+        seen["last_stderr"] = {r: [line[:300] for line in v[-3:]] for r, v in err.result.stderr.items()}
+    lines = [line for rank_lines in err.result.stderr.values() for line in rank_lines]
+    nccl = re.compile(r"watchdog|flight ?recorder|heartbeat|dump", re.IGNORECASE)  # NCCL's own lines
+    seen["nccl_lines"] = [line[:300] for line in lines if nccl.search(line) and "Traceback" not in line][:6]
+    return seen
+
+
+def hang_views(case: list[str], tag: str) -> dict:
+    """A case as the notebook launches it, then left alone under a short process-group timeout."""
+    out: dict = {"backend_pinned": cli.hang_backend or "none, as a learner launches it"}
+    started = time.monotonic()
+    try:
+        result = run(*case, nproc=2, timeout=HANG_LIMIT, stall_timeout=5, backend=cli.hang_backend)
+        out["as_the_notebook"] = {"finished": True, "seconds": round(result.duration, 1)}
+    except Exception as err:  # any ending is what we came to see
+        out["as_the_notebook"] = seen_error(err, started)
+    dumps = (cli.out or Path(tempfile.gettempdir())) / "flight_recorder" / tag
+    shutil.rmtree(dumps, ignore_errors=True)
+    dumps.mkdir(parents=True)
+    wrapper = NOTEBOOKS / "runs" / "gpu_check_short_pg.py"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(SHORT_PG)
+    env = {
+        "GPU_CHECK_PG_TIMEOUT": PG_TIMEOUT,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{dumps}/rank_",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the flight recorder on every torch (the default since 2.11)
+    }
+    started = time.monotonic()
+    try:
+        result = torchrun(
+            "runs/gpu_check_short_pg.py",
+            f"scripts/{case[0]}",
+            *case[1:],
+            nproc_per_node=2,
+            timeout=HANG_LIMIT,
+            cwd=NOTEBOOKS,
+            live=False,
+            env=env,
+            backend=cli.hang_backend,
+        )
+        left: dict = {"finished": True, "seconds": round(result.duration, 1), "exitcodes": result.exitcodes}
+    except Exception as err:
+        left = seen_error(err, started)
+    left["pg_timeout"] = PG_TIMEOUT
+    left["flight_recorder_files"] = sorted(f"{p.name} ({p.stat().st_size} B)" for p in dumps.iterdir())
+    out["left_alone"] = left
+    return out
+
+
+for notebook, case, on_gloo in HANG_CASES:
+    label = " ".join(case[1:]).replace("--cases ", "").replace("--case ", "")
+    tag = f"{notebook}_{label.split()[0]}"  # the flight recorder's folder
+
+    @two_gpus(f"2+ GPUs: {notebook}'s hang on NCCL, {case[0]} {label} (on gloo: {on_gloo})")
+    def _(case=case, tag=tag):
+        return hang_views(case, tag)
+
+
+@two_gpus("2+ GPUs: 10's %%ranks on NCCL, a lone all_reduce on rank 0, then a cell on both ranks")
+def _():
+    seen: dict = {"backend_pinned": cli.hang_backend or "none, as %ranks start -n 2 picks it"}
+    group = RankGroup(2, backend=cli.hang_backend, timeout=HANG_LIMIT, cwd=NOTEBOOKS)
+    seen["backend"] = group.backend
+    try:
+        started = time.monotonic()
+        try:
+            value = group.run("dist.all_reduce(torch.ones(1, device=device))", [0], stall_timeout=5)
+            seen["lone_all_reduce"] = {
+                "returned": repr(value),
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        except Exception as err:  # on gloo: the hang notebook 10 shows, which ends the group
+            seen["lone_all_reduce"] = seen_error(err, started)
+            return seen
+        started = time.monotonic()
+        later = "t = torch.full((1,), rank + 1.0, device=device)\ndist.all_reduce(t)\nt.item()"
+        try:
+            value = group.run(later, stall_timeout=5)
+            seen["later_cell_on_both"] = {
+                "returned": repr(value),
+                "seconds": round(time.monotonic() - started, 1),
+            }
+        except Exception as err:  # where the later sync waits
+            seen["later_cell_on_both"] = seen_error(err, started)
+    finally:
+        group.stop()
+    return seen
 
 
 def run_notebook(nb: Path, logs: Path) -> dict:

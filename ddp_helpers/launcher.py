@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ddp_helpers import _protocol as protocol
-from ddp_helpers import _warm, diagnose, environment
+from ddp_helpers import _strict, _warm, diagnose, environment
 from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunError, TorchrunResult
 
 __all__ = ["DEFAULT_TIMEOUT", "JobFailedError", "JobHungError", "TorchrunError", "TorchrunResult", "torchrun"]
@@ -122,9 +122,9 @@ def torchrun(
         launch.stop()
         result, records = launch.collect()
     if hang:
-        raise diagnose.hang_error(result, hang, hung, job.script_path)
+        _strict.raise_checked(diagnose.hang_error(result, hang, hung, job.script_path), job.gloo_pinned)
     if result.returncode != 0:
-        raise diagnose.failure_error(result, records)
+        _strict.raise_checked(diagnose.failure_error(result, records), job.gloo_pinned)
     return result
 
 
@@ -146,6 +146,7 @@ class _Job:
     stall_timeout: float | None
     grace: float
     warm: bool
+    gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
 def _plan(
@@ -193,6 +194,7 @@ def _plan(
         protocol.LIFELINE: "0",
     }
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
+    pinned = _strict.gloo_pinned(backend, child_env, script_path)  # before a DDP_BACKEND the launch hands on
     child_env.update(_backend_env(backend, nproc_per_node, child_env, warm_now))
 
     run_id = uuid.uuid4().hex[:12]
@@ -230,6 +232,7 @@ def _plan(
         stall_timeout,
         grace,
         warm_now,
+        pinned,
     )
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ddp_helpers import _protocol as protocol
-from ddp_helpers import _repl, diagnose, launcher
+from ddp_helpers import _repl, _strict, diagnose, launcher
 from ddp_helpers.outcome import CellError, Hang, JobFailedError
 
 __all__ = ["GROUP_DEFAULT", "RankGroup"]
@@ -386,7 +386,9 @@ class RankGroup:
             result, _ = self.launch.collect()
         finally:
             self._close()
-        raise diagnose.hang_error(result, hang, records, script, note=note) from None
+        _strict.raise_checked(
+            diagnose.hang_error(result, hang, records, script, note=note), self.job.gloo_pinned
+        )
 
     def _ended(self, rank: int | None, note: str | None = None) -> None:
         """End a group whose rank died (``rank``, if its connection said so first): torchrun stops the others,
@@ -403,17 +405,18 @@ class RankGroup:
             self._close()
         note = self._gone() if note is None else note
         if any(record.failed for record in records.values()) or rank is None:
-            raise diagnose.failure_error(result, records, note=note) from None
+            _strict.raise_checked(diagnose.failure_error(result, records, note=note), self.job.gloo_pinned)
         how = (
             diagnose.describe_exit(records[rank].exitcode) if records[rank].exitcode is not None else "ended"
         )
-        raise JobFailedError(
+        left = JobFailedError(
             f"rank {rank} left the group: its process {how} while the others ran on, so they were "
             f"stopped.\n{note}",
             result,
             rank=rank,
             exitcode=records[rank].exitcode,
-        ) from None
+        )
+        _strict.raise_checked(left, self.job.gloo_pinned)
 
     def _gone(self) -> str:
         return f"The group is gone: {self.restart} starts a new one."

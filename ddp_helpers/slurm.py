@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ddp_helpers import _protocol as protocol
-from ddp_helpers import diagnose
+from ddp_helpers import _strict, diagnose
 from ddp_helpers.launcher import (
     _PACKAGE_PARENT,
     POLL_INTERVAL,
@@ -168,6 +168,7 @@ class _SlurmJob:
     show_agent: bool
     timeout: float | None
     stall_timeout: float | None
+    gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
 def _plan(
@@ -211,6 +212,8 @@ def _plan(
     command = shlex.join(["sbatch", *sbatch_args, batch_name])
 
     job_env = job_environment({**(env or {}), **({"DDP_BACKEND": backend} if backend else {})})
+    given = {**os.environ, **{str(k): str(v) for k, v in (env or {}).items()}}
+    pinned = _strict.gloo_pinned(backend, given, script_path)
     sbatch_argv = ["sbatch", "--parsable", *sbatch_args, os.path.join(run_dir, batch_name)]
     return _SlurmJob(
         script,
@@ -228,6 +231,7 @@ def _plan(
         show_agent,
         timeout,
         stall_timeout,
+        pinned,
     )
 
 
@@ -360,12 +364,14 @@ def _run(job: _SlurmJob) -> SlurmResult:
         batch_script=job.shown_script,
     )
     if hang:
-        raise _cancelled(diagnose.hang_error(result, hang, hung, job.script_path), slurm.id)
+        _strict.raise_checked(
+            _cancelled(diagnose.hang_error(result, hang, hung, job.script_path), slurm.id), job.gloo_pinned
+        )
     if not ok:
         error = diagnose.failure_error(result, records)
         if error.rank is None:
             error = type(error)(f"job {slurm.id} ended {slurm.state} ({slurm.exit_code}); {error}", result)
-        raise error
+        _strict.raise_checked(error, job.gloo_pinned)
     print(f"ddp_helpers: job {slurm.id} {slurm.state}; squeue no longer lists it", flush=True)
     return result
 

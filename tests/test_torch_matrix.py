@@ -231,6 +231,86 @@ def test_version_specific_cells_are_let_fail_and_nothing_else_changes():
     )
 
 
+def test_the_floor_check_runs_each_notebook_up_to_its_last_version_specific_cell():
+    """CI's floor check (--version-specific): the cells after the last version-specific one are left out, and
+    a version-specific cell is not let fail: it must pass on every release the project declares."""
+    nb = _nb([_code(), _code(tags=[tm.VERSION_SPECIFIC]), MD, _code(tags=[tm.VERSION_SPECIFIC]), _code(), MD])
+    out = json.loads(tm.up_to_last_version_specific_cell(json.dumps(nb)))
+    assert out["cells"] == nb["cells"][:4], out["cells"]
+    assert all("raises-exception" not in c["metadata"].get("tags", []) for c in out["cells"]), out["cells"]
+    plain = _nb([_code(), MD])
+    assert json.loads(tm.up_to_last_version_specific_cell(json.dumps(plain))) == plain
+    paths = tm.version_specific_paths(REPO, [])
+    assert paths and all(not p.startswith(("notebooks/solutions", "notebooks/zh-CN")) for p in paths), paths
+    for rel in tm.notebook_paths(REPO, True, []):
+        cells = json.loads((REPO / rel).read_text())["cells"]
+        tagged = any(tm.VERSION_SPECIFIC in c.get("metadata", {}).get("tags", []) for c in cells)
+        assert (rel in paths) == tagged, (rel, tagged, paths)
+
+
+def _src(source, tags=()):
+    return {**_code(tags=tags), "source": source}
+
+
+def test_the_floor_check_runs_only_the_cells_its_version_specific_cells_need():
+    """By the names they read, the last cell to bind each before; os.chdir, %load_ext and %%writefile always;
+    the other code cells emptied, so a verdict's cell index is the file's. Where a cell cannot be read, or a
+    version-specific cell runs on the ranks, every cell up to the last runs."""
+    cells = [
+        _src("import os\nos.chdir('x')"),
+        _src("%%writefile scripts/a.py\nprint(1)"),
+        _src("result = torchrun('scripts/a.py')  # slow, and nobody needs it"),
+        MD,
+        _src("rec = {r['k']: r for r in run()}\n!echo hi"),
+        _src("from helpers import run"),  # binds run after the cell that reads it: not needed for it
+        _src("rec['x'] = 1"),  # changes rec
+        _src("for r in rec: print(r)\nassert rec['x'] == 1, rec", tags=[tm.VERSION_SPECIFIC]),
+        _src("late = 1"),
+    ]
+    cells.insert(4, _src("def run():\n    return helper()"))
+    cells.insert(4, _src("helper = list"))
+    out = json.loads(tm.version_specific_slice(json.dumps(_nb(cells))))
+    kept = [i for i, c in enumerate(out["cells"]) if c["cell_type"] == "code" and c["source"]]
+    assert len(out["cells"]) == 10 and kept == [0, 1, 4, 5, 6, 8, 9], [c["source"] for c in out["cells"]]
+    unreadable = [*cells[:2], _src("x = (1,"), cells[9]]
+    out = json.loads(tm.version_specific_slice(json.dumps(_nb(unreadable))))
+    assert [c["source"] for c in out["cells"]] == [c["source"] for c in unreadable], out
+    on_ranks = [_src("a = 1"), _src("%%ranks\nb = a", tags=[tm.VERSION_SPECIFIC])]
+    assert all(c["source"] for c in json.loads(tm.version_specific_slice(json.dumps(_nb(on_ranks))))["cells"])
+
+
+def test_a_check_fails_on_a_notebook_the_floor_check_ran_and_that_failed(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(tm, "CACHE", tmp_path)
+    monkeypatch.setattr(tm, "CHECKS", tmp_path / "results")
+    monkeypatch.setattr(tm, "become_subreaper", lambda: None)
+    monkeypatch.setattr(tm.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(tm, "index_versions", lambda name: [])
+    monkeypatch.setattr(tm, "load_results", lambda folder: [])
+    floor = {"minor": "2.8", "torch": "2.8.0", "torchvision": "0.23.0"}
+    monkeypatch.setattr(tm, "resolve", lambda minor, torches: floor)
+    verdict = {
+        "status": "fail",
+        "cell": 18,
+        "error": "AttributeError: no __deprecated__",
+        "version_specific": True,
+    }
+
+    def run_version(pair, args, pinned, results):
+        ran.append((pair["torch"], args.version_specific))
+        failed = {"results": {"notebooks/10_collectives.ipynb": verdict}}
+        return {**pair, "notebooks": failed} if pair["torch"] == "2.8.0" else dict(pair)
+
+    monkeypatch.setattr(tm, "run_version", run_version)
+    assert tm.main(["--floor", "--check", "--version-specific"]) == 1
+    assert sorted(ran) == [("2.14.1", True), ("2.8.0", True)], ran
+    assert tm.notebook_failures([{"torch": "2.8.0", "notebooks": {"results": {"n.ipynb": verdict}}}]) == [
+        "2.8.0 n.ipynb: fail in cell 18: AttributeError: no __deprecated__"
+    ]
+    verdict["status"] = "pass"
+    assert tm.main(["--floor", "--check", "--version-specific"]) == 0
+
+
 def _row(torch_version, tv, notebooks=None, cases=None, date="2026-12-01"):
     row = {
         "minor": ".".join(torch_version.split(".")[:2]),
@@ -470,9 +550,11 @@ def test_a_check_stores_in_the_cache_not_with_the_table(tmp_path, monkeypatch):
     assert ignored.returncode == 1, f"{tm.RESULTS} must be tracked, not ignored"
 
 
-def test_ci_runs_every_script_on_the_floor():
+def test_ci_runs_every_script_and_every_version_specific_cell_on_the_floor():
     ci = (REPO / ".ci" / "run").read_text()
     assert "tools/torch_matrix.py --floor --check --warm-only" in ci, "CI must run the scripts on the floor"
+    assert "--floor --check --warm-only --version-specific" in ci, "and the version-specific cells"
+    assert "--floor --prepare --version-specific" in ci, "in an environment made for the notebooks"
     assert ci.index("--floor --check") > ci.index('bash -c "$cmd"'), (
         "after the README test command, with .venv"
     )

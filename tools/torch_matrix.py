@@ -1,7 +1,8 @@
 """Run the series on other torch releases: a cached environment per minor version, a table of what breaks.
 
     python tools/torch_matrix.py [2.M ...] [--floor] [--notebooks [--solutions]] [--only NN ...] [--check]
-                                 [--warm-only] [--keep-envs] [--save-sources] [--write-table] [--prepare]
+                                 [--warm-only] [--version-specific] [--keep-envs] [--save-sources]
+                                 [--write-table] [--prepare]
     python tools/torch_matrix.py --table [--write-table]
 
 Versions: the ones named, ``--floor`` (the floor pyproject.toml declares, ``torch>=2.M``), or by default
@@ -28,6 +29,13 @@ in a fresh copy of the working tree (the files git tracks or does not ignore):
    differs between versions (their text says which); a failure there is reported as such. Notebook 05's
    SLURM cells (section 7) run where the practice cluster of tools/slurm_cluster.sh answers, with the version
    under test; elsewhere they print one line and pass, and the table says they did not run.
+3. ``--version-specific`` (CI's floor check adds it; not on the pinned version, which the test suite runs):
+   every notebook that holds ``version-specific`` cells, where those cells must pass as every other: a
+   version-specific cell asserts what the torch it runs on does, on each side, and never raises on a release
+   the project declares; a learner's Run All stops at the first cell that raises. To fit CI's time, each runs
+   the cells its version-specific cells need (``version_specific_slice``: by the names they read, the other
+   code cells emptied); where that fails, every cell up to the last version-specific one runs, and that run's
+   verdict counts. Needs the notebooks' environment, as ``--notebooks``.
 
 Results: ``tools/torch-matrix-results/torch-2.M.json``, committed with the table they render (a rerun of some
 notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that MEASURES.md's table is what they
@@ -35,9 +43,10 @@ render); the table goes to stdout and, with ``--write-table`` (or its old name `
 MEASURES.md between ``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs,
 with ``--floor --warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its
 results in the cache (``results/``), not with the table's, and exits 1 unless every case passes on every
-version run.
-``--prepare`` only makes the environments (the pinned version needs none here); CI runs it beside the test
-suite, so that the floor check after the suite finds its environment ready.
+version run, and every notebook ``--version-specific`` ran passes.
+``--prepare`` only makes the environments (the pinned version needs none here), with the notebooks' when
+``--notebooks`` or ``--version-specific`` says so; CI runs it beside the test suite, so that the floor check
+after the suite finds its environment ready.
 
 Why a script of our own and not nox: nox would make and reuse the environments (about 30 lines here), but not
 pair torchvision with torch, limit a child's time, kill what a hung notebook leaves behind, remove 6 GB
@@ -49,6 +58,8 @@ process is their subreaper, so that nothing they start outlives them (a timeout 
 from __future__ import annotations
 
 import argparse
+import ast
+import builtins
 import datetime
 import fcntl
 import json
@@ -60,7 +71,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -655,6 +666,104 @@ def let_version_specific_cells_fail(text: str) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 
 
+def up_to_last_version_specific_cell(text: str) -> str:
+    """A notebook's JSON without the cells after its last version-specific cell (``--version-specific``): the
+    cells it needs come before it; its version-specific cells are not let fail."""
+    nb = json.loads(text)
+    tagged = [i for i, c in enumerate(nb.get("cells", [])) if VERSION_SPECIFIC in _tags(c)]
+    if tagged:
+        nb["cells"] = nb["cells"][: tagged[-1] + 1]
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def _tags(cell: Mapping[str, Any]) -> list[str]:
+    return cell.get("metadata", {}).get("tags", [])
+
+
+def _source(cell: Mapping[str, Any]) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _names(source: str) -> tuple[set[str], set[str], bool] | None:
+    """What a code cell binds, what it reads that it does not bind itself, and whether it must run in any
+    case (it changes the folder or loads or starts something: os.chdir, %load_ext, %ranks start, and every
+    %%writefile); None where its Python cannot be read (then the whole notebook runs)."""
+    if source.startswith("%%"):  # a cell magic: what it does is not the kernel's Python
+        return set(), set(), source.startswith("%%writefile")
+    lines = [re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in source.split("\n")]  # line magics, !cmd
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+    binds, reads, changes = set(), set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (binds if isinstance(node.ctx, (ast.Store, ast.Del)) else reads).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            binds.add(node.name)
+        elif isinstance(node, ast.arg):
+            binds.add(node.arg)
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            base = node
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                changes.add(base.id)  # x[k] = ...: reads x, and a later cell that reads x needs this one
+    must = bool(re.search(r"os\.chdir|^\s*%load_ext|^\s*%ranks start", source, re.M))
+    return binds | changes, reads - (binds - changes) - set(dir(builtins)), must
+
+
+def version_specific_slice(text: str) -> str:
+    """A notebook's JSON as ``up_to_last_version_specific_cell`` makes it, with the code cells that no
+    version-specific cell needs emptied (nbclient skips an empty cell; the indices stay the file's): a cell is
+    needed when it runs in any case (``_names``) or binds a name that a needed cell reads (the last to bind
+    it before). Where a cell cannot be read, or a version-specific cell is a %%ranks cell (the ranks hold
+    their own state), every cell up to the last runs."""
+    nb = json.loads(up_to_last_version_specific_cell(text))
+    cells = nb.get("cells", [])
+    code = {i: _source(c) for i, c in enumerate(cells) if c.get("cell_type") == "code"}
+    tagged = [i for i, c in enumerate(cells) if VERSION_SPECIFIC in _tags(c)]
+    names = {i: _names(source) for i, source in code.items()}
+    if not tagged or any(v is None for v in names.values()) or any(code[i].startswith("%%") for i in tagged):
+        return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    needed, todo = set(tagged), list(tagged)
+    while todo:
+        i = todo.pop()
+        reads = set(names[i][1])
+        if "_" in reads:  # IPython's last result: the cell before
+            earlier = [j for j in code if j < i]
+            reads.discard("_")
+            if earlier and earlier[-1] not in needed:
+                needed.add(earlier[-1])
+                todo.append(earlier[-1])
+        for name in reads:
+            binder = next((j for j in sorted(code, reverse=True) if j < i and name in names[j][0]), None)
+            if binder is not None and binder not in needed:
+                needed.add(binder)
+                todo.append(binder)
+    needed |= {i for i in code if names[i][2]}
+    for i in code:
+        if i not in needed:
+            cells[i]["source"] = ""
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def version_specific_paths(src: Path, only: Sequence[str]) -> list[str]:
+    """The notebooks (not solutions, nor the translations: their code cells are the English ones) that hold a
+    version-specific cell."""
+    paths = notebook_paths(src, False, only)
+    return [
+        p
+        for p in paths
+        if any(VERSION_SPECIFIC in _tags(c) for c in json.loads((src / p).read_text())["cells"])
+    ]
+
+
 def _error_of(output: Mapping[str, Any]) -> tuple[str, bool]:
     """One line for an error output of a cell, and whether it was a hang."""
     lines = [ln.strip() for ln in _plain(str(output.get("evalue", ""))).splitlines() if ln.strip()] or [""]
@@ -726,42 +835,33 @@ def uses_slurm(notebook: Path) -> bool:
     return "practice_cluster_missing" in notebook.read_text()
 
 
-def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeout: int, limit: float) -> dict:
+def run_notebooks(
+    python: Path,
+    log_dir: Path,
+    paths: Sequence[str],
+    cell_timeout: int,
+    limit: float,
+    version_specific: bool = False,
+) -> dict:
+    """Each notebook under nbmake, one at a time: whole, its version-specific cells let fail; or (
+    ``version_specific``) the cells its version-specific cells need (``version_specific_slice``), where those
+    must pass, and where that fails, every cell up to the last version-specific one, whose verdict counts (a
+    slice that missed a cell's side effect costs time, never a false failure)."""
     results = {}
     slurm = slurm_missing(python) if any(uses_slurm(SRC / rel) for rel in paths) else None
     for rel in paths:
-        log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
-        cmd = [
-            python,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "addopts=",
-            "-o",
-            "timeout=0",
-            "--nbmake",
-            f"--nbmake-timeout={cell_timeout}",
-            "--overwrite",
-            rel,
-        ]
-        before = (SRC / rel).read_text()
-        (SRC / rel).write_text(let_version_specific_cells_fail(before))
-        done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
-        after = (SRC / rel).read_text()
-        executed = json.loads(after) if after != let_version_specific_cells_fail(before) else None
-        if executed is not None:
-            shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
-            (SRC / rel).write_text(
-                before
-            )  # the next notebook (a solutions notebook reads its own) sees the original
-        verdict = {
-            **notebook_verdict(done, log.read_text(errors="replace"), executed),
-            "seconds": done["seconds"],
-        }
-        if done["leftovers"]:
-            verdict["leftovers"] = done["leftovers"]
+        if not version_specific:
+            verdict = _run_notebook(
+                python, log_dir, rel, let_version_specific_cells_fail, cell_timeout, limit
+            )
+        else:
+            verdict = _run_notebook(python, log_dir, rel, version_specific_slice, cell_timeout, limit)
+            if verdict["status"] != "pass":
+                sliced = {k: verdict[k] for k in ("status", "cell", "error", "seconds") if k in verdict}
+                verdict = _run_notebook(
+                    python, log_dir, rel, up_to_last_version_specific_cell, cell_timeout, limit
+                )
+                verdict["slice"] = sliced
         if slurm and uses_slurm(SRC / rel):  # the SLURM cells printed this line and passed
             verdict["slurm_not_run"] = slurm
         results[rel] = verdict
@@ -774,10 +874,58 @@ def run_notebooks(python: Path, log_dir: Path, paths: Sequence[str], cell_timeou
                 if verdict["status"] != "pass"
                 else ""
             )
-            + f" ({done['seconds']:.0f} s)",
+            + f" ({verdict['seconds']:.0f} s"
+            + (
+                f"; the slice: {verdict['slice']['status']}, {verdict['slice']['seconds']:.0f} s"
+                if "slice" in verdict
+                else ""
+            )
+            + ")",
             flush=True,
         )
-    return {"date": today(), "cell_timeout": cell_timeout, "results": results}
+    cut = {"cells": "those the version-specific cells need"} if version_specific else {}
+    return {"date": today(), "cell_timeout": cell_timeout, "results": results, **cut}
+
+
+def _run_notebook(
+    python: Path, log_dir: Path, rel: str, prepare: Callable[[str], str], cell_timeout: int, limit: float
+) -> dict[str, Any]:
+    """One nbmake run of ``prepare``(the notebook), in SRC; the file is restored after."""
+    log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "-o",
+        "timeout=0",
+        "--nbmake",
+        f"--nbmake-timeout={cell_timeout}",
+        "--overwrite",
+        rel,
+    ]
+    before = (SRC / rel).read_text()
+    (SRC / rel).write_text(prepare(before))
+    try:
+        done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
+        after = (SRC / rel).read_text()
+        executed = json.loads(after) if after != prepare(before) else None
+        if executed is not None:
+            shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
+    finally:
+        (SRC / rel).write_text(
+            before
+        )  # the next notebook (a solutions notebook reads its own) sees the original
+    verdict = {
+        **notebook_verdict(done, log.read_text(errors="replace"), executed),
+        "seconds": done["seconds"],
+    }
+    if done["leftovers"]:
+        verdict["leftovers"] = done["leftovers"]
+    return verdict
 
 
 # ---- results and the table ---------------------------------------------------------------------------------
@@ -850,6 +998,16 @@ def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str])
             if verdict not in OK:
                 bad.append(f"{row['torch']} {key}: {verdict} ({detail})")
     return bad
+
+
+def notebook_failures(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every notebook a --check run ran (``results``: its versions' results) whose verdict is not a pass."""
+    return [
+        f"{row['torch']} {rel}: {v['status']} in cell {v.get('cell')}: {v.get('error')}"
+        for row in results
+        for rel, v in sorted((row.get("notebooks") or {}).get("results", {}).items())
+        if v["status"] != "pass"
+    ]
 
 
 def _tree(source: Mapping[str, Any] | None) -> str:
@@ -981,14 +1139,15 @@ def replace_between_markers(text: str, block: str) -> str:
 
 def run_version(
     pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[str, str], results: Path
-) -> None:
+) -> dict[str, Any]:
+    """Run one version: its scripts, its notebooks; store the result and return it."""
     print(f"  {pair['minor']}: torch {pair['torch']} + torchvision {pair['torchvision']}", flush=True)
     source = copy_worktree()
     is_pinned = pair["torch"] == pinned["torch"]
     if is_pinned and own_python_has(pair):
         python, info = Path(sys.executable), {"env": "this interpreter's", "reused": True}
     else:
-        python, info = ensure_env(pair, notebooks=args.notebooks)
+        python, info = ensure_env(pair, notebooks=args.notebooks or args.version_specific)
     print(
         f"    environment {info['env']}: "
         + ("reused" if info["reused"] else f"installed in {info['install_seconds']} s"),
@@ -1007,13 +1166,16 @@ def run_version(
         s["source"] = source
         ran_out = " (time ran out)" if s["timed_out"] else ""
         print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
-    if args.notebooks:
+    if args.notebooks or (args.version_specific and not is_pinned):
         result["notebooks"] = run_notebooks(
             python,
             log_dir,
-            notebook_paths(SRC, args.solutions, args.only),
+            notebook_paths(SRC, args.solutions, args.only)
+            if args.notebooks
+            else version_specific_paths(SRC, args.only),
             args.cell_timeout,
             args.notebook_timeout,
+            version_specific=not args.notebooks,
         )
         for verdict in result["notebooks"]["results"].values():
             verdict["source"] = source  # kept with each notebook: a later run of others keeps this one
@@ -1021,6 +1183,7 @@ def run_version(
     keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
     if not keep and python.parent.parent.parent == ENVS:
         shutil.rmtree(python.parent.parent, ignore_errors=True)
+    return result
 
 
 def hold_cache_lock():
@@ -1067,6 +1230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="each case launched once, warm, as the notebooks launch it (CI's floor check), not also cold",
     )
+    parser.add_argument(
+        "--version-specific",
+        action="store_true",
+        help="the notebooks with version-specific cells, up to the last, which must pass (not on the pinned)",
+    )
     parser.add_argument("--save-sources", action="store_true", help=f"keep torch/*.py under {SOURCES}")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds a notebook cell may take")
     parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds a notebook may take")
@@ -1089,6 +1257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pinned = pinned_pair()
     results = CHECKS if args.check else RESULTS  # a check's runs do not change the committed table
     ran: list[str] = []
+    fresh: list[dict[str, Any]] = []  # this run's results (a check's store keeps earlier runs' notebooks too)
     if not args.table:
         become_subreaper()
         signal.signal(signal.SIGTERM, _interrupted)
@@ -1115,7 +1284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ran.append(pair["minor"])
             if args.prepare:
                 if pair["torchvision"] is not None and pair["torch"] != pinned["torch"]:
-                    _, info = ensure_env(pair, notebooks=args.notebooks)
+                    notebooks = args.notebooks or args.version_specific
+                    if notebooks:
+                        copy_worktree()  # the project, installed from the copy the notebooks will run in
+                    _, info = ensure_env(pair, notebooks=notebooks)
                     how = "reused" if info["reused"] else f"installed in {info['install_seconds']} s"
                     print(f"  {pair['minor']}: environment {info['env']}: {how}", flush=True)
                 continue
@@ -1123,7 +1295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {pair['minor']}: {pair['why']}", flush=True)
                 store({**pair, "date": today(), "source": tree_source()}, results)
                 continue
-            run_version(pair, args, pinned, results)
+            result = run_version(pair, args, pinned, results)
+            fresh += [result] if result else []
     if args.prepare:
         return 0
     rows = [r for r in load_results(results) if minor_of(r["minor"]) >= declared_floor()]  # older: not shown
@@ -1133,7 +1306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (ROOT / TABLE_PAGE).write_text(replace_between_markers((ROOT / TABLE_PAGE).read_text(), table))
         print(f"torch_matrix: wrote the table into {TABLE_PAGE}")
     if args.check:
-        bad = check_failures([r for r in rows if r["minor"] in ran], pinned)
+        bad = check_failures([r for r in rows if r["minor"] in ran], pinned) + notebook_failures(fresh)
         print(
             "\n".join(["torch_matrix --check: failed:", *bad])
             if bad
