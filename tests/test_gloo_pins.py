@@ -45,21 +45,9 @@ GLOO_TEXT = re.compile(
 POINT_TO_POINT = re.compile(r"\b(send|recv|isend|irecv)\(")
 PINNED_FLAGS = re.compile(r"--backend[ =]gloo\b|--env[ =]DDP_BACKEND=gloo\b")
 
-# Found on this branch and fixed on others (issue 31's workers for 04 and 10): the lead empties this list
-# after merging them; a cell listed here that no longer needs its pin fails the test too, so it stays true.
-_SEND = (
-    "dist.send(torch.tensor([3.0, 4.0], device=device), dst=1)"  # 10 §9: recv "waits until it has arrived"
-)
-_RING = "dist.send(torch.tensor([float(rank)], device=device), dst=(rank + 1) % world_size)"
-_EVEN_ODD = "dist.send(mine, dst=(rank + 1) % world_size)"
-KNOWN: set[tuple[str, str]] = {
-    *((f"notebooks/{zh}10_collectives.ipynb", _SEND) for zh in ("", "zh-CN/")),
-    *(
-        (f"notebooks/{zh}solutions/10_collectives_solutions.ipynb", q)
-        for zh in ("", "zh-CN/")
-        for q in (_RING, _EVEN_ODD)
-    ),
-}
+# Cells that may show gloo-only evidence without a pin (none: issue 31 pinned every one); a cell listed here
+# that no longer needs it fails the test too, so the list stays true.
+KNOWN: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
