@@ -282,7 +282,7 @@ def batch_script(
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'port=$(python3 -c \'import socket; s = socket.socket(); s.bind(("", 0)); '
         "print(s.getsockname()[1])')",
-        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # with --max-restarts: a fresh store for every attempt",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # torch 2.14: a store per attempt (restart, late node)",
     ]
     flags = [
         f'--nnodes="$SLURM_NNODES" --nproc-per-node={nproc_per_node}',
