@@ -3,6 +3,7 @@
 Runs unchanged with `python 06_train.py` (one process) or `torchrun --nproc-per-node=N 06_train.py`.
 """
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -207,6 +208,8 @@ def main() -> None:
         checksum = sum(t.double().sum().item() for t in plain.state_dict().values())
         print(json.dumps({"event": "done", "rank": rank, "final_checksum": checksum, **history[-1]}))
     if ddp:
+        del net
+        gc.collect()  # free the DDP wrapper while its group exists (01; freed after it, torch 2.8 hung)
         dist.destroy_process_group()
 
 
