@@ -19,8 +19,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import nbformat
 import yaml
@@ -129,41 +129,36 @@ def write_notebook(nb: nbformat.NotebookNode, target: Path) -> None:
     nbformat.write(nb, target)
 
 
-def site_markdown() -> Callable[[str], str]:
-    """mkdocs-jupyter's Markdown renderer with the site's heading ids (HOOKS, loaded as mkdocs loads it)."""
+def site_hooks() -> ModuleType:
+    """tools/site_hooks.py, loaded (and its patches applied) as mkdocs loads it: the site's heading ids."""
     spec = importlib.util.spec_from_file_location("site_hooks", HOOKS)
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    from mkdocs_jupyter.nbconvert2 import custom_markdown2html
-
-    return custom_markdown2html
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
 
 
 def site_heading_ids(nb: nbformat.NotebookNode) -> dict[str, str]:
     """A heading's id in JupyterLab (its text, spaces as "-"), which links within a notebook use -> its id on
     the site (mkdocs-jupyter's renderer), so that such a link jumps on both."""
-    custom_markdown2html = site_markdown()
-
+    hooks = site_hooks()
     ids = {}
     for cell in nb.cells:
-        for line in cell.source.splitlines() if cell.cell_type == "markdown" else []:
-            if heading := re.match(r"#{1,6} (.+)", line):
-                site = re.search(r'id="([^"]*)"', custom_markdown2html(line))
-                if site and site[1]:
-                    ids[heading[1].strip().replace(" ", "-")] = site[1]
+        for line in hooks.heading_lines(cell.source) if cell.cell_type == "markdown" else []:
+            if site := hooks.heading_id(line):
+                ids[line.lstrip("#").strip().replace(" ", "-")] = site
     return ids
 
 
 def heading_anchors(nb: nbformat.NotebookNode) -> dict[str, str]:
     """Section number ("1a", "3") -> the id its heading gets on the site: rendered by mkdocs-jupyter's own
     Markdown renderer, so that the index links where the page's own heading links go."""
-    custom_markdown2html = site_markdown()
-
+    hooks = site_hooks()
     anchors: dict[str, str] = {}
     for cell in nb.cells:
-        for line in cell.source.splitlines() if cell.cell_type == "markdown" else []:
+        for line in hooks.heading_lines(cell.source) if cell.cell_type == "markdown" else []:
             number = re.match(r"#{2,3} (\d+[a-z]?)\. ", line)
             if number and number[1] not in anchors:
-                anchors[number[1]] = re.search(r'id="([^"]+)"', custom_markdown2html(line))[1]
+                anchors[number[1]] = hooks.heading_id(line)
     return anchors
 
 
