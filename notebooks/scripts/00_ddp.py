@@ -1,5 +1,6 @@
 """00_ddp.py: the same loop on every GPU (or CPU process) torchrun starts: the template to copy."""
 import argparse
+import gc
 import json
 import os
 
@@ -56,6 +57,8 @@ def main() -> None:
         dist.barrier()  # no rank goes on before the checkpoint is complete
     checksum = sum(p.double().sum().item() for p in model.parameters())
     print(json.dumps({"rank": dist.get_rank(), "start_epoch": start_epoch, "drawn": drawn, "checksum": checksum}))
+    del ddp_model  # free the wrapper while its group exists: freed after it, gloo can abort or hang at exit (01)
+    gc.collect()  # del is not enough: the wrapper sits in a reference cycle
     dist.destroy_process_group()
 
 
