@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import socket
 import sys
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata, util
 from pathlib import Path
+
+from ddp_helpers.pins import read_floors, read_pins, release
 
 REPO = Path(__file__).resolve().parent.parent  # the clone's root when installed with `pip install -e .`
 MIN_PYTHON = (3, 10)
@@ -51,42 +52,15 @@ class Check:
     fix: str = ""
 
 
-def read_pins(path: Path) -> dict[str, str]:
-    """``name==version`` lines of a constraints file, names lower-cased; comments and other lines ignored."""
-    pins = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        name, sep, version = line.split("#")[0].split(";")[0].strip().partition("==")
-        if sep and name.strip() and version.strip():
-            pins[name.strip().lower().replace("_", "-")] = version.strip()
-    return pins
-
-
-def read_floors(pyproject: Path) -> dict[str, str]:
-    """The oldest supported release of each dependency: its ``name>=X`` in pyproject.toml's dependencies."""
-    import tomllib
-
-    floors = {}
-    for req in tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]:
-        name, sep, version = req.partition(">=")
-        if sep:
-            floors[name.strip().lower()] = version.split(",")[0].strip()
-    return floors
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """'2.14.1+cu130' -> (2, 14, 1): the release numbers, before any local or pre-release suffix."""
-    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version)[0].split("."))
-
-
 def compare_version(name: str, installed: str, pinned: str | None, floor: str | None = None) -> Check:
     """Installed version against its pin (a local suffix such as ``+cu130`` or ``+cpu`` ignored) and the
     project's floor: the pin passes; below the floor is unsupported (fail); anything else works but is not
     what the notebooks were run with (warn: their version-specific cells may differ)."""
-    if floor is not None and _release(installed) < _release(floor):
+    if floor is not None and release(installed) < release(floor):
         return Check(name, "fail", f"{installed} is unsupported: the series needs {name} >= {floor}", INSTALL)
     if pinned is None:
         return Check(name, "pass", f"{installed} (no pin in constraints.txt)")
-    if _release(installed) == _release(pinned):
+    if release(installed) == release(pinned):
         return Check(name, "pass", f"{installed} (pinned {pinned})")
     return Check(
         name,

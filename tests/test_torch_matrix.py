@@ -37,16 +37,18 @@ def test_versions_and_the_floor():
 
 
 def test_the_floor_is_one_number_everywhere():
-    """pyproject.toml declares it; notebook 00 refuses anything older; the doctor reads the same file."""
+    """pyproject.toml declares it; notebook 00 refuses anything older; the doctor and this tool read it (and
+    the pins) with one parser, ddp_helpers.pins."""
     floor = tm.declared_floor()
     assert floor == (2, 8), floor
     nb = json.loads((REPO / "notebooks" / "00_start_here.ipynb").read_text())
     first = "".join(next(c for c in nb["cells"] if "torch_version >=" in "".join(c["source"]))["source"])
     assert f"torch_version >= {floor}" in first, first
     assert f"needs torch {tm.label(floor)} or newer" in first, first
-    from ddp_helpers import doctor
+    from ddp_helpers import doctor, pins
 
-    assert doctor.read_floors(REPO / "pyproject.toml")["torch"] == tm.label(floor)
+    assert tm.read_floors is pins.read_floors is doctor.read_floors
+    assert tm.read_pins is pins.read_pins is doctor.read_pins and tm.release is pins.release is doctor.release
 
 
 def test_differences_separate_float_rounding_from_behaviour():

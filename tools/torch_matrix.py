@@ -75,7 +75,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import tomllib
+# The pins and the floor, read by the package's own parser: importing ddp_helpers imports nothing else (no
+# torch), so that this runs with the system's python3 before any environment exists.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ddp_helpers.pins import read_dependencies, read_floors, read_pins, release
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(
@@ -141,17 +144,15 @@ def label(minor: tuple[int, int]) -> str:
 
 def declared_floor(pyproject: Path = ROOT / "pyproject.toml") -> tuple[int, int]:
     """The torch minor version pyproject.toml's ``torch>=2.M`` declares."""
-    for req in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
-        found = re.fullmatch(r"torch\s*>=\s*(\d+\.\d+)(\.\d+)?", req.strip())
-        if found:
-            return minor_of(found[1])
-    raise ValueError(f"{pyproject} declares no torch>=2.M")
+    floor = read_floors(pyproject).get("torch")
+    if floor is None:
+        raise ValueError(f"{pyproject} declares no torch>=2.M")
+    return minor_of(floor)
 
 
 def pinned_pair() -> dict[str, str]:
-    pins = dict(
-        re.findall(r"^(torch|torchvision)==(\S+)", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
-    )
+    """The torch and torchvision constraints.txt pins: what the notebooks are run with."""
+    pins = read_pins(ROOT / "constraints.txt")
     return {"torch": pins["torch"], "torchvision": pins["torchvision"]}
 
 
@@ -181,11 +182,6 @@ def index_versions(name: str) -> list[str]:
         if line.startswith("Available versions:"):
             return [v.strip() for v in line.split(":", 1)[1].split(",") if v.strip()]
     raise RuntimeError(f"pip lists no versions of {name}:\n{out}")
-
-
-def release(version: str) -> tuple[int, ...]:
-    """'2.13.0+cpu' -> (2, 13, 0)."""
-    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version)[0].split("."))
 
 
 def newest_minor(versions: Sequence[str]) -> tuple[int, int]:
@@ -376,11 +372,7 @@ def ensure_env(pair: Mapping[str, Any], notebooks: bool = True) -> tuple[Path, d
     mark = path / "matrix-env.json"
     python = path / "bin" / "python"
     requirements = [f"torch=={pair['torch']}", f"torchvision=={pair['torchvision']}"]
-    others = [
-        r
-        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-        if not re.match(r"torch(vision)?\b", r)
-    ]
+    others = [r for r in read_dependencies(ROOT / "pyproject.toml") if not re.match(r"torch(vision)?\b", r)]
     have = json.loads(mark.read_text()).get("wanted", {}) if mark.exists() else {}
     if have.get("requirements") != requirements:
         have = {}
