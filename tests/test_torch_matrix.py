@@ -73,7 +73,7 @@ def test_script_verdicts():
     crash = {
         "failed": True,
         "raised": ["AttributeError"],
-        "timed_out": False,
+        "hung": False,
         "stuck": [],
         "records": [],
         "error": "JobFailedError: rank 0 raised AttributeError (exit code 1).\n--- rank 0 stderr ---\n"
@@ -86,7 +86,7 @@ def test_script_verdicts():
     hang = {
         "failed": True,
         "raised": [],
-        "timed_out": True,
+        "hung": True,
         "stuck": [0, 1],
         "records": [],
         "error": "JobHungError: timed out after 120 s; stuck: rank 0, rank 1 (waits).\n  rank 0 waits in x",
@@ -108,7 +108,7 @@ def test_a_failed_launch_is_compared_by_its_distinct_records():
     both = {
         "failed": True,
         "raised": ["ValueError"],
-        "timed_out": False,
+        "hung": False,
         "stuck": [],
         "records": [{"rank": 0, "arg": -1}, {"rank": 1, "arg": -1}],
     }
@@ -331,7 +331,7 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
     crash = {
         "failed": True,
         "raised": ["AttributeError"],
-        "timed_out": False,
+        "hung": False,
         "stuck": [],
         "records": [],
         "error": "JobFailedError: rank 0 raised AttributeError (exit code 1).\nAttributeError: a | b",
@@ -378,11 +378,8 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
         "1/2: `00_hello` fails [1] | not run | pass |"
     ), body[0]
     assert "| hangs in cell 14 [2] |" in body[0]
-    assert body[1].startswith(
-        "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | not run | pass |"
-    )  # no source stored
-    rows[1]["source"] = {"commit": "cdef01234567", "edited": False}  # an old row: the last run's source
-    assert "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | cdef012 | 2/2 |" in tm.render_table(rows, PINNED)
+    # no source stored
+    assert body[1].startswith("| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | not run | pass |")
     assert body[2].startswith("| 2.15 | none | 2026-12-02 | ? | not run: no torchvision 0.30.x |")
     assert "1. 2.6.0, 00_hello: rank 0: AttributeError: a \\| b" in lines
     assert "2. 2.6.0, 05: timed" in lines
@@ -604,11 +601,11 @@ def test_every_script_of_the_series_is_a_case_of_the_matrix():
     assert cased - scripts == set(), cased - scripts
 
 
-def test_results_stored_before_the_renaming_say_hung():
-    old = {"failed": True, "raised": [], "timed_out": True, "stuck": [1], "records": []}
-    new = {"failed": True, "raised": [], "hung": True, "stuck": [1], "records": []}
-    assert tm.script_verdict("00_hang", _case(old), {"warm": new}, (2, 9)) == ("pass", "")
-    assert tm.script_verdict("00_hello", {"warm": new}, {"warm": OK}, (2, 9))[0] == "hangs"
+def test_a_hang_is_told_from_a_failure():
+    hung = {"failed": True, "raised": [], "hung": True, "stuck": [1], "records": []}
+    assert tm.script_verdict("00_hang", _case(hung), {"warm": hung}, (2, 9)) == ("pass", "")
+    assert tm.script_verdict("00_hello", {"warm": hung}, {"warm": OK}, (2, 9))[0] == "hangs"
+    assert tm.script_verdict("00_hello", {"warm": dict(hung, hung=False)}, {"warm": OK}, (2, 9))[0] == "fails"
 
 
 def test_a_notebook_whose_slurm_cells_did_not_run_says_so():

@@ -540,8 +540,6 @@ def _core(outcome: Mapping[str, Any] | None) -> dict[str, Any]:
     """What is compared: not the error's text, which names processes and ports; of a failed launch, the
     distinct records, whoever printed them (a rank stopped while its peer fails may not print its own)."""
     core = {k: v for k, v in (outcome or {}).items() if k not in ("error", "launcher_error")}
-    if "timed_out" in core:  # what results stored before 2026-12-02 call "hung"
-        core["hung"] = core.pop("timed_out")
     if "raised" in core and outcome.get("error"):  # the blamed rank's exception only (older results: all)
         core["raised"] = re.findall(r"^(?:\w+: )?rank \d+ raised (\w+)", outcome["error"])[:1]
     if core.get("failed") and "records" in core:
@@ -567,7 +565,7 @@ def error_line(outcome: Mapping[str, Any]) -> str:
         .removeprefix("JobFailedError: ")
         .removeprefix("TorchrunError: ")
     )
-    if outcome.get("hung") or outcome.get("timed_out") or len(lines) == 1:
+    if outcome.get("hung") or len(lines) == 1:
         return first[:200]
     found = re.match(r"rank (\d+) raised ", first)
     return (f"rank {found[1]}: {lines[-1]}" if found else f"{first.rstrip('.:')}: {lines[-1]}")[:240]
@@ -1010,14 +1008,13 @@ def _tree(source: Mapping[str, Any] | None) -> str:
 
 
 def tree_cell(row: Mapping[str, Any]) -> str:
-    """Which tree each part of a row was run from: one commit, or each with the parts it ran. Results stored
-    before each part kept its own have one source per row, the last run's: a row with no part of its own
-    shows that one; in a row that has some, a part without one shows "?" (run earlier, its tree not kept)."""
+    """Which tree each part of a row was run from: one commit, or each with the parts it ran ("?" for a part
+    stored without one); a row with no parts, the tree of its last run."""
     own = [row["scripts"]] if row.get("scripts") else []
     own += [v for _, v in sorted((row.get("notebooks") or {}).get("results", {}).items())]
     names = ["scripts"] * bool(row.get("scripts"))
     names += [_notebook_column(rel) for rel in sorted((row.get("notebooks") or {}).get("results", {}))]
-    if not any(part.get("source") for part in own):
+    if not own:
         return _tree(row.get("source"))
     parts: dict[str, list[str]] = {}
     for name, part in zip(names, own, strict=True):
@@ -1092,7 +1089,8 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
                 cells.append(f"version-specific in {where} " + note(why))
             else:
                 what = {"fail": "fails", "hang": "hangs", "error": "error"}[v["status"]]
-                if v.get("version_specific"):  # a result stored before version-specific cells ran on
+                # a version-specific cell stopped the run (--version-specific does not let them fail)
+                if v.get("version_specific"):
                     what = "version-specific"
                 where = f" in cell {v['cell']}" if v.get("cell") is not None else ""
                 cells.append(f"{what}{where} " + note(f"{row['torch']}, {column}: {v.get('error', '')}"))
