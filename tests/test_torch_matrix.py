@@ -95,9 +95,8 @@ def test_script_verdicts():
         "hangs",
         "timed out after 120 s; stuck: rank 0, rank 1 (waits).",
     )
-    assert (
-        tm.script_verdict("00_crash", _case(crash), _case(crash), (2, 6))[0] == "pass"
-    )  # fails as it should
+    # 00_crash fails as it should
+    assert tm.script_verdict("00_crash", _case(crash), _case(crash), (2, 6))[0] == "pass"
     assert tm.script_verdict("00_hello", _case(OK, warm=crash), _case(OK), (2, 6))[0] == "warm≠cold"
     assert tm.script_verdict("00_hello", _case(OK, warm=crash), None, (2, 14))[0] == "warm≠cold"  # pinned row
     assert tm.script_verdict("00_hello", {"cold": OK}, _case(OK), (2, 6))[0] == "not run"
@@ -281,16 +280,22 @@ def test_the_floor_check_runs_only_the_cells_its_version_specific_cells_need():
     assert all(c["source"] for c in json.loads(tm.version_specific_slice(json.dumps(_nb(on_ranks))))["cells"])
 
 
+FLOOR = {"minor": "2.8", "torch": "2.8.0", "torchvision": "0.23.0", "exclude": [], "why": ""}
+
+
+def _run(argv, tmp_path, monkeypatch, run_version):
+    """A run of ``argv`` with its cache in ``tmp_path``, pip's pairing and each version's run replaced (by the
+    floor's pair and by ``run_version``); what it reports: its exit code."""
+    cache = tm.Cache(tmp_path)
+    args = tm.parse_args(argv, cache)
+    monkeypatch.setattr(tm, "resolve", lambda minor, torches, cache: FLOOR)
+    monkeypatch.setattr(tm, "run_version", run_version)
+    fresh = tm.run(tm.choose_minors(args, [], tm.declared_floor(), PINNED), [], args, PINNED, cache)
+    return tm.report([], fresh, args, PINNED)
+
+
 def test_a_check_fails_on_a_notebook_the_floor_check_ran_and_that_failed(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(tm, "CACHE", tmp_path)
-    monkeypatch.setattr(tm, "CHECKS", tmp_path / "results")
-    monkeypatch.setattr(tm, "become_subreaper", lambda: None)
-    monkeypatch.setattr(tm.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(tm, "index_versions", lambda name: [])
-    monkeypatch.setattr(tm, "load_results", lambda folder: [])
-    floor = {"minor": "2.8", "torch": "2.8.0", "torchvision": "0.23.0"}
-    monkeypatch.setattr(tm, "resolve", lambda minor, torches: floor)
     verdict = {
         "status": "fail",
         "cell": 18,
@@ -298,19 +303,18 @@ def test_a_check_fails_on_a_notebook_the_floor_check_ran_and_that_failed(tmp_pat
         "version_specific": True,
     }
 
-    def run_version(pair, args, pinned, results):
+    def run_version(pair, args, pinned, cache, folder):
         ran.append((pair["torch"], args.version_specific))
         failed = {"results": {"notebooks/10_collectives.ipynb": verdict}}
         return {**pair, "notebooks": failed} if pair["torch"] == "2.8.0" else dict(pair)
 
-    monkeypatch.setattr(tm, "run_version", run_version)
-    assert tm.main(["--floor", "--check", "--version-specific"]) == 1
-    assert sorted(ran) == [("2.14.1", True), ("2.8.0", True)], ran
+    assert _run(["--floor", "--check", "--version-specific"], tmp_path, monkeypatch, run_version) == 1
+    assert ran == [("2.14.1", True), ("2.8.0", True)], ran  # the pinned reference first
     assert tm.notebook_failures([{"torch": "2.8.0", "notebooks": {"results": {"n.ipynb": verdict}}}]) == [
         "2.8.0 n.ipynb: fail in cell 18: AttributeError: no __deprecated__"
     ]
     verdict["status"] = "pass"
-    assert tm.main(["--floor", "--check", "--version-specific"]) == 0
+    assert _run(["--floor", "--check", "--version-specific"], tmp_path, monkeypatch, run_version) == 0
 
 
 def _row(torch_version, tv, notebooks=None, cases=None, date="2026-12-01"):
@@ -530,18 +534,15 @@ def test_a_check_stores_in_the_cache_not_with_the_table(tmp_path, monkeypatch):
     """CI's --check stores its runs in the cache, so a local .ci/run leaves the table's data as committed; a
     run without --check stores with the table, in a folder git tracks."""
     stored: list[Path] = []
-    monkeypatch.setattr(tm, "CACHE", tmp_path)
-    monkeypatch.setattr(tm, "CHECKS", tmp_path / "results")
-    monkeypatch.setattr(tm, "become_subreaper", lambda: None)
-    monkeypatch.setattr(tm.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(tm, "index_versions", lambda name: [])
-    monkeypatch.setattr(tm, "resolve", lambda minor, torches: {"minor": tm.label(minor), "torchvision": "0"})
-    monkeypatch.setattr(tm, "run_version", lambda pair, args, pinned, results: stored.append(results))
-    monkeypatch.setattr(tm, "load_results", lambda folder: [])
-    assert tm.main(["--floor", "--check"]) == 0
+
+    def run_version(pair, args, pinned, cache, folder):
+        stored.append(folder)
+        return dict(pair)
+
+    assert _run(["--floor", "--check"], tmp_path, monkeypatch, run_version) == 0
     assert stored == [tmp_path / "results"] * 2, stored  # the pinned reference and the floor
     stored.clear()
-    assert tm.main(["--floor"]) == 0
+    assert _run(["--floor"], tmp_path, monkeypatch, run_version) == 0
     assert stored == [tm.RESULTS], stored
     ignored = subprocess.run(
         ["git", "-C", str(REPO), "check-ignore", "-q", str(tm.RESULTS / "torch-2.8.json")]
@@ -624,8 +625,7 @@ def test_a_notebook_whose_slurm_cells_did_not_run_says_so():
 def test_the_scripts_alone_get_torch_and_torchvision_only(tmp_path, monkeypatch):
     """CI's floor check installs what the scripts import; the notebooks add the project and its dependencies
     to that environment, and an environment made for them serves the scripts too."""
-    monkeypatch.setattr(tm, "ENVS", tmp_path / "envs")
-    monkeypatch.setattr(tm, "LOGS", tmp_path / "logs")
+    cache = tm.Cache(tmp_path)
     steps = []
 
     def fake_run_child(cmd, **kwargs):
@@ -636,18 +636,16 @@ def test_the_scripts_alone_get_torch_and_torchvision_only(tmp_path, monkeypatch)
 
     monkeypatch.setattr(tm, "run_child", fake_run_child)
     pair = {"torch": "2.8.0", "torchvision": "0.23.0", "exclude": []}
-    python, info = tm.ensure_env(pair, notebooks=False)
+    python, info = tm.ensure_env(pair, cache, notebooks=False)
     assert not info["reused"] and [s[-2:] for s in steps] == [
-        ["venv", str(tm.ENVS / "torch-2.8.0-tv0.23.0")],
+        ["venv", str(tmp_path / "envs" / "torch-2.8.0-tv0.23.0")],
         ["torch==2.8.0", "torchvision==0.23.0"],
     ], steps
-    assert tm.ensure_env(pair, notebooks=False)[1]["reused"] and len(steps) == 2
+    assert tm.ensure_env(pair, cache, notebooks=False)[1]["reused"] and len(steps) == 2
     steps.clear()
-    assert not tm.ensure_env(pair, notebooks=True)[1]["reused"]
+    assert not tm.ensure_env(pair, cache, notebooks=True)[1]["reused"]
     assert len(steps) == 1 and "-e" in steps[0] and "venv" not in steps[0], steps  # added, not made anew
-    assert (
-        tm.ensure_env(pair, notebooks=False)[1]["reused"] and tm.ensure_env(pair, notebooks=True)[1]["reused"]
-    )
+    assert all(tm.ensure_env(pair, cache, notebooks=n)[1]["reused"] for n in (False, True))
 
 
 def test_only_the_blamed_ranks_exception_is_compared():
@@ -672,13 +670,13 @@ def test_only_the_blamed_ranks_exception_is_compared():
     assert tm.script_verdict("00_crash", {"warm": other}, {"warm": one}, (2, 8))[0] == "differs"
 
 
-def test_a_second_run_on_the_same_cache_is_refused(tmp_path, monkeypatch):
+def test_a_second_run_on_the_same_cache_is_refused(tmp_path):
     """Two runs would each replace the copy of the tree the other runs from (it happened: a run's scripts then
     failed with FileNotFoundError)."""
-    monkeypatch.setattr(tm, "CACHE", tmp_path)
-    first = tm.hold_cache_lock()
-    assert first is not None and tm.hold_cache_lock() is None
+    cache = tm.Cache(tmp_path)
+    first = tm.hold_cache_lock(cache)
+    assert first is not None and tm.hold_cache_lock(cache) is None
     first.close()
-    again = tm.hold_cache_lock()
+    again = tm.hold_cache_lock(cache)
     assert again is not None
     again.close()
