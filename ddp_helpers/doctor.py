@@ -14,16 +14,17 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import socket
 import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata, util
 from pathlib import Path
+
+from ddp_helpers.pins import read_floors, read_pins, release
 
 REPO = Path(__file__).resolve().parent.parent  # the clone's root when installed with `pip install -e .`
 MIN_PYTHON = (3, 10)
@@ -43,53 +44,26 @@ dist.destroy_process_group()
 
 @dataclass
 class Check:
-    """One check's outcome: status is "pass", "warn" or "fail"; fix says what to do when not "pass"."""
+    """One check's outcome: status is "pass", "warn" or "fail"; fix says what to do when not "pass". A check
+    returns it unnamed: ``run_check`` names it as ``checks()`` does."""
 
-    name: str
+    name: str = field(default="", kw_only=True)
     status: str
     detail: str
     fix: str = ""
-
-
-def read_pins(path: Path) -> dict[str, str]:
-    """``name==version`` lines of a constraints file, names lower-cased; comments and other lines ignored."""
-    pins = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        name, sep, version = line.split("#")[0].split(";")[0].strip().partition("==")
-        if sep and name.strip() and version.strip():
-            pins[name.strip().lower().replace("_", "-")] = version.strip()
-    return pins
-
-
-def read_floors(pyproject: Path) -> dict[str, str]:
-    """The oldest supported release of each dependency: its ``name>=X`` in pyproject.toml's dependencies."""
-    import tomllib
-
-    floors = {}
-    for req in tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]:
-        name, sep, version = req.partition(">=")
-        if sep:
-            floors[name.strip().lower()] = version.split(",")[0].strip()
-    return floors
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """'2.14.1+cu130' -> (2, 14, 1): the release numbers, before any local or pre-release suffix."""
-    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version)[0].split("."))
 
 
 def compare_version(name: str, installed: str, pinned: str | None, floor: str | None = None) -> Check:
     """Installed version against its pin (a local suffix such as ``+cu130`` or ``+cpu`` ignored) and the
     project's floor: the pin passes; below the floor is unsupported (fail); anything else works but is not
     what the notebooks were run with (warn: their version-specific cells may differ)."""
-    if floor is not None and _release(installed) < _release(floor):
-        return Check(name, "fail", f"{installed} is unsupported: the series needs {name} >= {floor}", INSTALL)
+    if floor is not None and release(installed) < release(floor):
+        return Check("fail", f"{installed} is unsupported: the series needs {name} >= {floor}", INSTALL)
     if pinned is None:
-        return Check(name, "pass", f"{installed} (no pin in constraints.txt)")
-    if _release(installed) == _release(pinned):
-        return Check(name, "pass", f"{installed} (pinned {pinned})")
+        return Check("pass", f"{installed} (no pin in constraints.txt)")
+    if release(installed) == release(pinned):
+        return Check("pass", f"{installed} (pinned {pinned})")
     return Check(
-        name,
         "warn",
         f"{installed}: not the pinned version ({pinned}): the notebooks' version-specific cells may differ "
         "(MEASURES.md, 'Tested torch versions', says which pass where)",
@@ -101,7 +75,6 @@ def check_python() -> Check:
     """Python >= 3.10."""
     ok = sys.version_info >= MIN_PYTHON
     return Check(
-        "python",
         "pass" if ok else "fail",
         f"Python {platform.python_version()} (need >= 3.10)",
         "" if ok else "create the virtual environment with Python 3.10 or newer (3.11 is tested)",
@@ -112,12 +85,9 @@ def check_platform(system: str | None = None) -> Check:
     """What the operating system allows: the series is tested on Linux (notebook 09 §8 has the rest)."""
     system = system or platform.system()
     if system == "Linux":
-        return Check(
-            "platform", "pass", "Linux: gloo on the CPU, NCCL on NVIDIA GPUs (the series is tested here)"
-        )
+        return Check("pass", "Linux: gloo on the CPU, NCCL on NVIDIA GPUs (the series is tested here)")
     if system == "Darwin":
         return Check(
-            "platform",
             "warn",
             "macOS: gloo on the CPU only (no NCCL; no backend handles MPS tensors); Python starts processes "
             "with spawn here, so scripts need their __main__ guard",
@@ -125,23 +95,22 @@ def check_platform(system: str | None = None) -> Check:
         )
     if system == "Windows":
         return Check(
-            "platform",
             "fail",
             "Windows: gloo only (no NCCL), torchrun fails in builds without libuv, and the launcher needs "
             "POSIX process groups",
             "run the series under WSL 2 (a Linux build of torch); notebook 09 §8 explains",
         )
-    return Check("platform", "warn", f"{system}: untested; the series is tested on Linux")
+    return Check("warn", f"{system}: untested; the series is tested on Linux")
 
 
 def check_package(name: str) -> Check:
     """An installed package, compared with its pin in constraints.txt and its floor in pyproject.toml."""
     if util.find_spec(name) is None:
-        return Check(name, "fail", "not installed", INSTALL)
+        return Check("fail", "not installed", INSTALL)
     installed = metadata.version(name)
     constraints, pyproject = REPO / "constraints.txt", REPO / "pyproject.toml"
     if not constraints.is_file() or not pyproject.is_file():
-        return Check(name, "pass", f"{installed} (no clone next to the package: pin and floor not compared)")
+        return Check("pass", f"{installed} (no clone next to the package: pin and floor not compared)")
     return compare_version(
         name, installed, read_pins(constraints).get(name), read_floors(pyproject).get(name)
     )
@@ -153,7 +122,6 @@ def check_distributed() -> Check:
 
     ok = dist.is_available() and dist.is_gloo_available()
     return Check(
-        "torch.distributed",
         "pass" if ok else "fail",
         "torch.distributed and gloo " + ("available" if ok else "not both available"),
         "" if ok else f"reinstall torch: {INSTALL}",
@@ -173,24 +141,20 @@ def check_network_settings() -> Check:
     value = os.environ.get("GLOO_SOCKET_IFNAME")
     if missing:
         return Check(
-            "network settings",
             "fail",
             f"GLOO_SOCKET_IFNAME={value} names interface {', '.join(missing)}, "
             f"which does not exist; existing: {', '.join(existing)}",
             f"unset GLOO_SOCKET_IFNAME or set it to one of {', '.join(existing)}",
         )
-    return Check(
-        "network settings", "pass", f"GLOO_SOCKET_IFNAME={value}" if value else "GLOO_SOCKET_IFNAME not set"
-    )
+    return Check("pass", f"GLOO_SOCKET_IFNAME={value}" if value else "GLOO_SOCKET_IFNAME not set")
 
 
 def check_stale_variables() -> Check:
     """No torchrun variables left over in the shell (a stale ``export RANK=1``)."""
     found = [f"{v}={os.environ[v]}" for v in STALE_VARS if v in os.environ]
     if not found:
-        return Check("shell variables", "pass", f"none of {', '.join(STALE_VARS)} set")
+        return Check("pass", f"none of {', '.join(STALE_VARS)} set")
     return Check(
-        "shell variables",
         "warn",
         f"set in this shell: {' '.join(found)} (torchrun overrides them, "
         "but a plain `python script.py` will think it is a rank)",
@@ -202,10 +166,8 @@ def check_job(timeout: float) -> Check:
     """A real 2-rank torchrun job: all_reduce of rank+1 over loopback must give 3.0 on both ranks."""
     from ddp_helpers import TorchrunError, torchrun
 
-    name = "2-rank all_reduce"
     if missing_interfaces()[0]:
         return Check(
-            name,
             "fail",
             "not run: GLOO_SOCKET_IFNAME names a missing interface (see network settings)",
             "fix the network settings line first",
@@ -227,16 +189,15 @@ def check_job(timeout: float) -> Check:
                 if e.hung
                 else "read the error; check GLOO_SOCKET_IFNAME, VPN, firewall"
             )
-            return Check(name, "fail", how + (f" -- {err[-1][:300]}" if err else ""), hint)
+            return Check("fail", how + (f" -- {err[-1][:300]}" if err else ""), hint)
     sums = {r["rank"]: r["sum"] for r in result.records() if "sum" in r}
     if sums == {0: 3.0, 1: 3.0}:
         return Check(
-            name,
             "pass",
             f"torchrun with 2 ranks over loopback (gloo), sum 3.0 on both ranks, {result.duration:.1f} s",
         )
     return Check(
-        name, "fail", f"ranks reported {sums}, expected 3.0 on ranks 0 and 1", "reinstall torch: " + INSTALL
+        "fail", f"ranks reported {sums}, expected 3.0 on ranks 0 and 1", "reinstall torch: " + INSTALL
     )
 
 
@@ -248,29 +209,27 @@ def check_loopback() -> Check:
         port = server.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port), timeout=10):
             pass
-    return Check("loopback ports", "pass", f"bound and connected to 127.0.0.1:{port}")
+    return Check("pass", f"bound and connected to 127.0.0.1:{port}")
 
 
 def check_cores() -> Check:
     """CPU cores this process may use: 2 or more pass, 1 is a warning (two ranks share it, slowly)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores >= 2:
-        return Check("CPU cores", "pass", f"{cores} cores available (the notebooks run 2 ranks)")
+        return Check("pass", f"{cores} cores available (the notebooks run 2 ranks)")
     return Check(
-        "CPU cores",
         "warn",
         "1 core available: the notebooks run 2 ranks, which still works but slowly",
         "give the machine or VM 2 or more cores (taskset/cgroups may limit this process)",
     )
 
 
-def free_space(name: str, path: str, need_mib: int, why: str, fix: str) -> Check:
+def free_space(path: str, need_mib: int, why: str, fix: str) -> Check:
     """Free space at ``path`` against a minimum in MiB."""
     free = shutil.disk_usage(path).free
     need = f"{need_mib // 1024} GiB" if need_mib >= 1024 else f"{need_mib} MiB"
     ok = free >= need_mib * 2**20
     return Check(
-        name,
         "pass" if ok else "fail",
         f"{free / 2**30:.1f} GiB free in {path} (need >= {need}: {why})",
         "" if ok else fix,
@@ -282,13 +241,11 @@ def check_shm() -> Check:
     if not os.path.isdir("/dev/shm"):  # macOS and Windows have none and need none; Linux does
         linux = sys.platform == "linux"
         return Check(
-            "shared memory",
             "fail" if linux else "pass",
             f"no /dev/shm on {sys.platform}",
             "mount a tmpfs on /dev/shm (docker: --shm-size=1g)" if linux else "",
         )
     return free_space(
-        "shared memory",
         "/dev/shm",
         MIN_SHM_MIB,
         "gloo and DataLoader workers",
@@ -298,9 +255,7 @@ def check_shm() -> Check:
 
 def check_disk() -> Check:
     """The disk holding the repository has >= 2 GiB free for data and checkpoints."""
-    return free_space(
-        "disk space", str(REPO), MIN_DISK_MIB, "data sets and checkpoints", f"free space on {REPO}"
-    )
+    return free_space(str(REPO), MIN_DISK_MIB, "data sets and checkpoints", f"free space on {REPO}")
 
 
 def check_gpus() -> Check:
@@ -314,11 +269,10 @@ def check_gpus() -> Check:
 
     count = torch.cuda.device_count()
     if count == 0:
-        return Check("GPUs", "pass", "no GPU: the notebooks use gloo on the CPU")
+        return Check("pass", "no GPU: the notebooks use gloo on the CPU")
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(count))
     if not dist.is_nccl_available():
         return Check(
-            "GPUs",
             "warn",
             f"{count} GPU(s) ({names}) but this torch has no NCCL, which the scripts pick "
             "when they see a GPU: their init_process_group fails",
@@ -327,22 +281,20 @@ def check_gpus() -> Check:
     backend, _ = launch_backend(2, count)
     if backend == "gloo":
         return Check(
-            "GPUs",
             "pass",
             f"{count} GPU ({names}), NCCL available: a launch of one rank per node uses "
             "NCCL; the notebooks' 2-rank launches run on gloo and the CPU (NCCL needs one GPU per rank)",
         )
-    return Check("GPUs", "pass", f"{count} GPU(s) ({names}), NCCL available")
+    return Check("pass", f"{count} GPU(s) ({names}), NCCL available")
 
 
 def _same_python(argv0: str) -> bool:
     """Whether a kernelspec's argv[0] runs this interpreter (jupyter_client swaps a bare ``python``)."""
     if argv0 in {"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info[:2])}:
-        return (
-            False  # that is the interpreter running Jupyter, not necessarily this one: see the prefix check
-        )
+        # that is the interpreter running Jupyter, not necessarily this one: see check_kernel's prefix check
+        return False
     path = os.path.abspath(shutil.which(argv0) or argv0)
-    # same bin/ folder, same env
+    # the same bin/ folder: the same environment
     return os.path.dirname(path) == os.path.dirname(os.path.abspath(sys.executable))
 
 
@@ -355,14 +307,11 @@ def check_kernel() -> Check:
     for name in specs:
         argv = manager.get_kernel_spec(name).argv
         if argv and _same_python(argv[0]):
-            return Check("Jupyter kernel", "pass", f"kernel {name!r} runs {argv[0]}")
+            return Check("pass", f"kernel {name!r} runs {argv[0]}")
     own = Path(sys.prefix, "share", "jupyter", "kernels", "python3")
     if "python3" in specs and Path(specs["python3"]).resolve() == own.resolve():
-        return Check(
-            "Jupyter kernel", "pass", f"kernel 'python3' in {own} (JupyterLab from this environment uses it)"
-        )
+        return Check("pass", f"kernel 'python3' in {own} (JupyterLab from this environment uses it)")
     return Check(
-        "Jupyter kernel",
         "fail",
         f"no kernel runs {sys.executable} (found: {', '.join(specs) or 'none'})",
         f"{sys.executable} -m ipykernel install --user --name ddp-notebooks",
@@ -370,7 +319,8 @@ def check_kernel() -> Check:
 
 
 def checks(timeout: float) -> list[tuple[str, Callable[[], Check]]]:
-    """Every check, in the order printed; looked up at call time so that tests can replace one."""
+    """Every check, named, in the order printed (the one place a check's name is written); looked up at call
+    time so that tests can replace one."""
     packages = [(p, lambda p=p: check_package(p)) for p in ("torch", "torchvision", "jupyterlab")]
     return [
         ("python", check_python),
@@ -390,15 +340,15 @@ def checks(timeout: float) -> list[tuple[str, Callable[[], Check]]]:
 
 
 def run_check(name: str, fn: Callable[[], Check]) -> Check:
-    """Run one check; an exception becomes a failed check naming it, never a traceback."""
+    """Run one check and name what it returns; an exception becomes a failed check, never a traceback."""
     try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 -- one broken check must not hide the others
+        return replace(fn(), name=name)
+    except Exception as e:  # one broken check must not hide the others
         return Check(
-            name,
             "fail",
             f"the check itself raised {type(e).__name__}: {e}",
             "fix what the message names and rerun; report it if unclear",
+            name=name,
         )
 
 

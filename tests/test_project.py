@@ -17,6 +17,8 @@ import tomllib
 import yaml
 from ddp_test_support import REPO, committed_text
 
+from ddp_helpers.pins import read_pins
+
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 SCRIPTS = sorted((REPO / "notebooks" / "scripts").glob("*.py"))
 CONDA_NAMES = {"torch": "pytorch"}  # where conda-forge names a package differently
@@ -223,12 +225,8 @@ def test_readme_lists_every_notebook():
 
 
 def test_constraints_pin_what_the_series_is_tested_with():
-    pins = dict(
-        line.split("==")
-        for line in (REPO / "constraints.txt").read_text().splitlines()
-        if line and not line.startswith("#")
-    )
-    assert pins == {"torch": "2.14.1", "torchvision": "0.29.1"}
+    """Read as the doctor and tools/torch_matrix.py read it (ddp_helpers.pins)."""
+    assert read_pins(REPO / "constraints.txt") == {"torch": "2.14.1", "torchvision": "0.29.1"}
 
 
 DOCS = [

@@ -37,16 +37,18 @@ def test_versions_and_the_floor():
 
 
 def test_the_floor_is_one_number_everywhere():
-    """pyproject.toml declares it; notebook 00 refuses anything older; the doctor reads the same file."""
+    """pyproject.toml declares it; notebook 00 refuses anything older; the doctor and this tool read it (and
+    the pins) with one parser, ddp_helpers.pins."""
     floor = tm.declared_floor()
     assert floor == (2, 8), floor
     nb = json.loads((REPO / "notebooks" / "00_start_here.ipynb").read_text())
     first = "".join(next(c for c in nb["cells"] if "torch_version >=" in "".join(c["source"]))["source"])
     assert f"torch_version >= {floor}" in first, first
     assert f"needs torch {tm.label(floor)} or newer" in first, first
-    from ddp_helpers import doctor
+    from ddp_helpers import doctor, pins
 
-    assert doctor.read_floors(REPO / "pyproject.toml")["torch"] == tm.label(floor)
+    assert tm.read_floors is pins.read_floors is doctor.read_floors
+    assert tm.read_pins is pins.read_pins is doctor.read_pins and tm.release is pins.release is doctor.release
 
 
 def test_differences_separate_float_rounding_from_behaviour():
@@ -71,7 +73,7 @@ def test_script_verdicts():
     crash = {
         "failed": True,
         "raised": ["AttributeError"],
-        "timed_out": False,
+        "hung": False,
         "stuck": [],
         "records": [],
         "error": "JobFailedError: rank 0 raised AttributeError (exit code 1).\n--- rank 0 stderr ---\n"
@@ -84,7 +86,7 @@ def test_script_verdicts():
     hang = {
         "failed": True,
         "raised": [],
-        "timed_out": True,
+        "hung": True,
         "stuck": [0, 1],
         "records": [],
         "error": "JobHungError: timed out after 120 s; stuck: rank 0, rank 1 (waits).\n  rank 0 waits in x",
@@ -93,9 +95,8 @@ def test_script_verdicts():
         "hangs",
         "timed out after 120 s; stuck: rank 0, rank 1 (waits).",
     )
-    assert (
-        tm.script_verdict("00_crash", _case(crash), _case(crash), (2, 6))[0] == "pass"
-    )  # fails as it should
+    # 00_crash fails as it should
+    assert tm.script_verdict("00_crash", _case(crash), _case(crash), (2, 6))[0] == "pass"
     assert tm.script_verdict("00_hello", _case(OK, warm=crash), _case(OK), (2, 6))[0] == "warm≠cold"
     assert tm.script_verdict("00_hello", _case(OK, warm=crash), None, (2, 14))[0] == "warm≠cold"  # pinned row
     assert tm.script_verdict("00_hello", {"cold": OK}, _case(OK), (2, 6))[0] == "not run"
@@ -106,7 +107,7 @@ def test_a_failed_launch_is_compared_by_its_distinct_records():
     both = {
         "failed": True,
         "raised": ["ValueError"],
-        "timed_out": False,
+        "hung": False,
         "stuck": [],
         "records": [{"rank": 0, "arg": -1}, {"rank": 1, "arg": -1}],
     }
@@ -279,16 +280,22 @@ def test_the_floor_check_runs_only_the_cells_its_version_specific_cells_need():
     assert all(c["source"] for c in json.loads(tm.version_specific_slice(json.dumps(_nb(on_ranks))))["cells"])
 
 
+FLOOR = {"minor": "2.8", "torch": "2.8.0", "torchvision": "0.23.0", "exclude": [], "why": ""}
+
+
+def _run(argv, tmp_path, monkeypatch, run_version):
+    """A run of ``argv`` with its cache in ``tmp_path``, pip's pairing and each version's run replaced (by the
+    floor's pair and by ``run_version``); what it reports: its exit code."""
+    cache = tm.Cache(tmp_path)
+    args = tm.parse_args(argv, cache)
+    monkeypatch.setattr(tm, "resolve", lambda minor, torches, cache: FLOOR)
+    monkeypatch.setattr(tm, "run_version", run_version)
+    fresh = tm.run(tm.choose_minors(args, [], tm.declared_floor(), PINNED), [], args, PINNED, cache)
+    return tm.report([], fresh, args, PINNED)
+
+
 def test_a_check_fails_on_a_notebook_the_floor_check_ran_and_that_failed(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(tm, "CACHE", tmp_path)
-    monkeypatch.setattr(tm, "CHECKS", tmp_path / "results")
-    monkeypatch.setattr(tm, "become_subreaper", lambda: None)
-    monkeypatch.setattr(tm.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(tm, "index_versions", lambda name: [])
-    monkeypatch.setattr(tm, "load_results", lambda folder: [])
-    floor = {"minor": "2.8", "torch": "2.8.0", "torchvision": "0.23.0"}
-    monkeypatch.setattr(tm, "resolve", lambda minor, torches: floor)
     verdict = {
         "status": "fail",
         "cell": 18,
@@ -296,19 +303,18 @@ def test_a_check_fails_on_a_notebook_the_floor_check_ran_and_that_failed(tmp_pat
         "version_specific": True,
     }
 
-    def run_version(pair, args, pinned, results):
+    def run_version(pair, args, pinned, cache, folder):
         ran.append((pair["torch"], args.version_specific))
         failed = {"results": {"notebooks/10_collectives.ipynb": verdict}}
         return {**pair, "notebooks": failed} if pair["torch"] == "2.8.0" else dict(pair)
 
-    monkeypatch.setattr(tm, "run_version", run_version)
-    assert tm.main(["--floor", "--check", "--version-specific"]) == 1
-    assert sorted(ran) == [("2.14.1", True), ("2.8.0", True)], ran
+    assert _run(["--floor", "--check", "--version-specific"], tmp_path, monkeypatch, run_version) == 1
+    assert ran == [("2.14.1", True), ("2.8.0", True)], ran  # the pinned reference first
     assert tm.notebook_failures([{"torch": "2.8.0", "notebooks": {"results": {"n.ipynb": verdict}}}]) == [
         "2.8.0 n.ipynb: fail in cell 18: AttributeError: no __deprecated__"
     ]
     verdict["status"] = "pass"
-    assert tm.main(["--floor", "--check", "--version-specific"]) == 0
+    assert _run(["--floor", "--check", "--version-specific"], tmp_path, monkeypatch, run_version) == 0
 
 
 def _row(torch_version, tv, notebooks=None, cases=None, date="2026-12-01"):
@@ -329,7 +335,7 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
     crash = {
         "failed": True,
         "raised": ["AttributeError"],
-        "timed_out": False,
+        "hung": False,
         "stuck": [],
         "records": [],
         "error": "JobFailedError: rank 0 raised AttributeError (exit code 1).\nAttributeError: a | b",
@@ -376,11 +382,8 @@ def test_the_table_has_one_dated_row_per_version_the_version_first():
         "1/2: `00_hello` fails [1] | not run | pass |"
     ), body[0]
     assert "| hangs in cell 14 [2] |" in body[0]
-    assert body[1].startswith(
-        "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | not run | pass |"
-    )  # no source stored
-    rows[1]["source"] = {"commit": "cdef01234567", "edited": False}  # an old row: the last run's source
-    assert "| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | cdef012 | 2/2 |" in tm.render_table(rows, PINNED)
+    # no source stored
+    assert body[1].startswith("| 2.14.1 (pinned) | 0.29.1 | 2026-12-01 | ? | 2/2 | not run | pass |")
     assert body[2].startswith("| 2.15 | none | 2026-12-02 | ? | not run: no torchvision 0.30.x |")
     assert "1. 2.6.0, 00_hello: rank 0: AttributeError: a \\| b" in lines
     assert "2. 2.6.0, 05: timed" in lines
@@ -531,18 +534,15 @@ def test_a_check_stores_in_the_cache_not_with_the_table(tmp_path, monkeypatch):
     """CI's --check stores its runs in the cache, so a local .ci/run leaves the table's data as committed; a
     run without --check stores with the table, in a folder git tracks."""
     stored: list[Path] = []
-    monkeypatch.setattr(tm, "CACHE", tmp_path)
-    monkeypatch.setattr(tm, "CHECKS", tmp_path / "results")
-    monkeypatch.setattr(tm, "become_subreaper", lambda: None)
-    monkeypatch.setattr(tm.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(tm, "index_versions", lambda name: [])
-    monkeypatch.setattr(tm, "resolve", lambda minor, torches: {"minor": tm.label(minor), "torchvision": "0"})
-    monkeypatch.setattr(tm, "run_version", lambda pair, args, pinned, results: stored.append(results))
-    monkeypatch.setattr(tm, "load_results", lambda folder: [])
-    assert tm.main(["--floor", "--check"]) == 0
+
+    def run_version(pair, args, pinned, cache, folder):
+        stored.append(folder)
+        return dict(pair)
+
+    assert _run(["--floor", "--check"], tmp_path, monkeypatch, run_version) == 0
     assert stored == [tmp_path / "results"] * 2, stored  # the pinned reference and the floor
     stored.clear()
-    assert tm.main(["--floor"]) == 0
+    assert _run(["--floor"], tmp_path, monkeypatch, run_version) == 0
     assert stored == [tm.RESULTS], stored
     ignored = subprocess.run(
         ["git", "-C", str(REPO), "check-ignore", "-q", str(tm.RESULTS / "torch-2.8.json")]
@@ -602,11 +602,11 @@ def test_every_script_of_the_series_is_a_case_of_the_matrix():
     assert cased - scripts == set(), cased - scripts
 
 
-def test_results_stored_before_the_renaming_say_hung():
-    old = {"failed": True, "raised": [], "timed_out": True, "stuck": [1], "records": []}
-    new = {"failed": True, "raised": [], "hung": True, "stuck": [1], "records": []}
-    assert tm.script_verdict("00_hang", _case(old), {"warm": new}, (2, 9)) == ("pass", "")
-    assert tm.script_verdict("00_hello", {"warm": new}, {"warm": OK}, (2, 9))[0] == "hangs"
+def test_a_hang_is_told_from_a_failure():
+    hung = {"failed": True, "raised": [], "hung": True, "stuck": [1], "records": []}
+    assert tm.script_verdict("00_hang", _case(hung), {"warm": hung}, (2, 9)) == ("pass", "")
+    assert tm.script_verdict("00_hello", {"warm": hung}, {"warm": OK}, (2, 9))[0] == "hangs"
+    assert tm.script_verdict("00_hello", {"warm": dict(hung, hung=False)}, {"warm": OK}, (2, 9))[0] == "fails"
 
 
 def test_a_notebook_whose_slurm_cells_did_not_run_says_so():
@@ -625,8 +625,7 @@ def test_a_notebook_whose_slurm_cells_did_not_run_says_so():
 def test_the_scripts_alone_get_torch_and_torchvision_only(tmp_path, monkeypatch):
     """CI's floor check installs what the scripts import; the notebooks add the project and its dependencies
     to that environment, and an environment made for them serves the scripts too."""
-    monkeypatch.setattr(tm, "ENVS", tmp_path / "envs")
-    monkeypatch.setattr(tm, "LOGS", tmp_path / "logs")
+    cache = tm.Cache(tmp_path)
     steps = []
 
     def fake_run_child(cmd, **kwargs):
@@ -637,18 +636,16 @@ def test_the_scripts_alone_get_torch_and_torchvision_only(tmp_path, monkeypatch)
 
     monkeypatch.setattr(tm, "run_child", fake_run_child)
     pair = {"torch": "2.8.0", "torchvision": "0.23.0", "exclude": []}
-    python, info = tm.ensure_env(pair, notebooks=False)
+    python, info = tm.ensure_env(pair, cache, notebooks=False)
     assert not info["reused"] and [s[-2:] for s in steps] == [
-        ["venv", str(tm.ENVS / "torch-2.8.0-tv0.23.0")],
+        ["venv", str(tmp_path / "envs" / "torch-2.8.0-tv0.23.0")],
         ["torch==2.8.0", "torchvision==0.23.0"],
     ], steps
-    assert tm.ensure_env(pair, notebooks=False)[1]["reused"] and len(steps) == 2
+    assert tm.ensure_env(pair, cache, notebooks=False)[1]["reused"] and len(steps) == 2
     steps.clear()
-    assert not tm.ensure_env(pair, notebooks=True)[1]["reused"]
+    assert not tm.ensure_env(pair, cache, notebooks=True)[1]["reused"]
     assert len(steps) == 1 and "-e" in steps[0] and "venv" not in steps[0], steps  # added, not made anew
-    assert (
-        tm.ensure_env(pair, notebooks=False)[1]["reused"] and tm.ensure_env(pair, notebooks=True)[1]["reused"]
-    )
+    assert all(tm.ensure_env(pair, cache, notebooks=n)[1]["reused"] for n in (False, True))
 
 
 def test_only_the_blamed_ranks_exception_is_compared():
@@ -673,13 +670,13 @@ def test_only_the_blamed_ranks_exception_is_compared():
     assert tm.script_verdict("00_crash", {"warm": other}, {"warm": one}, (2, 8))[0] == "differs"
 
 
-def test_a_second_run_on_the_same_cache_is_refused(tmp_path, monkeypatch):
+def test_a_second_run_on_the_same_cache_is_refused(tmp_path):
     """Two runs would each replace the copy of the tree the other runs from (it happened: a run's scripts then
     failed with FileNotFoundError)."""
-    monkeypatch.setattr(tm, "CACHE", tmp_path)
-    first = tm.hold_cache_lock()
-    assert first is not None and tm.hold_cache_lock() is None
+    cache = tm.Cache(tmp_path)
+    first = tm.hold_cache_lock(cache)
+    assert first is not None and tm.hold_cache_lock(cache) is None
     first.close()
-    again = tm.hold_cache_lock()
+    again = tm.hold_cache_lock(cache)
     assert again is not None
     again.close()

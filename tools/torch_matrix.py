@@ -37,13 +37,14 @@ in a fresh copy of the working tree (the files git tracks or does not ignore):
    code cells emptied); where that fails, every cell up to the last version-specific one runs, and that run's
    verdict counts. Needs the notebooks' environment, as ``--notebooks``.
 
-Results: ``tools/torch-matrix-results/torch-2.M.json``, committed with the table they render (a rerun of some
-notebooks or scripts keeps the rest; tests/test_torch_matrix.py checks that MEASURES.md's table is what they
-render); the table goes to stdout and, with ``--write-table`` (or its old name ``--write-readme``), into
-MEASURES.md between ``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs,
-with ``--floor --warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its
-results in the cache (``results/``), not with the table's, and exits 1 unless every case passes on every
-version run, and every notebook ``--version-specific`` ran passes.
+Results: ``tools/torch-matrix-results/torch-2.M.json``, one ``Row`` each (its shape is written once, below,
+under "what a run stores"), committed with the table they render (a rerun of some notebooks or scripts keeps
+the rest; tests/test_torch_matrix.py checks that MEASURES.md's table is what they render); the table goes to
+stdout and, with ``--write-table`` (or its old name ``--write-readme``), into MEASURES.md between
+``<!-- torch-matrix -->`` and ``<!-- /torch-matrix -->``. ``--check`` (what CI runs, with ``--floor
+--warm-only``) runs the pinned version's scripts as well, warm, as the reference, keeps its results in the
+cache (``results/``), not with the table's, and exits 1 unless every case passes on every version run, and
+every notebook ``--version-specific`` ran passes.
 ``--prepare`` only makes the environments (the pinned version needs none here), with the notebooks' when
 ``--notebooks`` or ``--version-specific`` says so; CI runs it beside the test suite, so that the floor check
 after the suite finds its environment ready.
@@ -72,28 +73,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NotRequired, TypedDict
 
-import tomllib
+# The pins and the floor, read by the package's own parser: importing ddp_helpers imports nothing else (no
+# torch), so that this runs with the system's python3 before any environment exists.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ddp_helpers.pins import read_dependencies, read_floors, read_pins, release
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(
-    os.environ.get("TORCH_MATRIX_CACHE") or ROOT / ".cache" / "torch-matrix"
-)  # CI keeps it per machine
-ENVS, CHECKS, LOGS, SRC, SOURCES = (CACHE / d for d in ("envs", "results", "logs", "src", "sources"))
 RESULTS = ROOT / "tools" / "torch-matrix-results"  # committed: MEASURES.md's table is rendered from these
 MARKERS = ("<!-- torch-matrix -->", "<!-- /torch-matrix -->")
 TABLE_PAGE = "MEASURES.md"  # the page whose torch-matrix table --write-table rewrites
 TV_OFFSET = 15  # torch 2.M pairs with torchvision 0.(M+15): 2.4 with 0.19, 2.14 with 0.29
 VERSION_SPECIFIC = "version-specific"  # the tag of a notebook cell that asserts what differs between versions
-FLOAT_RTOL, FLOAT_ATOL = (
-    1e-4,
-    1e-5,
-)  # rounding errors the scripts report (a max_abs_diff of 6e-6) vary by build
-LAUNCH_NOISE = [
-    "records[*].tcp_opened"
-]  # the ports of 05_launch's connections: the OS picks new ones every launch
+# rounding errors the scripts report (a max_abs_diff of 6e-6) vary by build
+FLOAT_RTOL, FLOAT_ATOL = 1e-4, 1e-5
+# the ports of 05_launch's connections: the OS picks new ones every launch
+LAUNCH_NOISE = ["records[*].tcp_opened"]
 OK = ("pass", "pass≈", "floats differ", "named")  # the script verdicts --check accepts
 
 # Where torch itself behaves differently and the script runs all the same: (case, first and last minor
@@ -126,6 +124,136 @@ NAMED = [
 ]
 
 
+# ---- what a run stores: tools/torch-matrix-results/torch-2.M.json holds one Row ----------------------------
+
+
+class Pair(TypedDict):
+    """A torch release and the torchvision pip pairs with it (``resolve``)."""
+
+    minor: str  # "2.13"
+    torch: str | None  # None: the index has no release of this minor version
+    torchvision: str | None  # None: none pairs with it (``why`` says so), and nothing ran
+    exclude: list[str]  # local builds (find-links' 2.13.0+cpu) that pip was told to leave out
+    why: str
+
+
+class Source(TypedDict):
+    """The tree a part of a row was run from (``tree_source``)."""
+
+    commit: str
+    edited: bool  # it had uncommitted changes
+
+
+class Outcome(TypedDict):
+    """One launch of one case, as benchmarks/warm_fidelity.py reports it."""
+
+    failed: bool
+    records: NotRequired[list[dict[str, Any]]]
+    exitcodes: NotRequired[dict[str, int]]  # by rank, of a launch that did not fail
+    raised: NotRequired[list[str]]  # the exception of the rank blamed
+    hung: NotRequired[bool]
+    stuck: NotRequired[list[int]]
+    error: NotRequired[str]  # the error's text: never compared (it names processes and ports)
+    launcher_error: NotRequired[str]  # the launcher itself raised
+    unfinished: NotRequired[bool]  # written here: the run's time ran out during this launch
+
+
+class Case(TypedDict):
+    """One case of warm_fidelity.CASES (``case_key``): its launches, and their seconds by "cold", "warm"."""
+
+    seconds: dict[str, float]
+    cold: NotRequired[Outcome]  # none in a --warm-only run
+    warm: NotRequired[Outcome]
+
+
+class ChildRun(TypedDict):
+    """How a child process ended (``run_child``)."""
+
+    rc: int | None  # None: killed when its time ran out
+    timed_out: bool
+    seconds: float
+    leftovers: list[str]  # processes still running after it ended by itself, killed
+
+
+class ScriptsRun(ChildRun):
+    """One run of benchmarks/warm_fidelity.py (``run_scripts``): each case by its key."""
+
+    warm_only: bool
+    date: str
+    only: str  # the scripts run, by the start of their names ("": all)
+    cases: dict[str, Case]
+    source: NotRequired[Source]
+
+
+class NotebookVerdict(TypedDict):
+    """What one nbmake run of one notebook says (``notebook_verdict``), and what the run adds."""
+
+    status: str  # pass | version-specific | fail | hang | error
+    cell: NotRequired[int | None]  # the cell that failed or did not answer (0-based, markdown cells counted)
+    error: NotRequired[str]
+    version_specific: NotRequired[bool]  # the failing cell is a version-specific one
+    cells: NotRequired[list[int]]  # the version-specific cells that failed
+    seconds: NotRequired[float]
+    leftovers: NotRequired[list[str]]
+    slice: NotRequired[NotebookVerdict]  # --version-specific: the slice's verdict, where it did not pass
+    slurm_not_run: NotRequired[str]  # why notebook 05's SLURM cells submitted no jobs
+    source: NotRequired[Source]
+
+
+class NotebooksRun(TypedDict):
+    """The notebooks one run ran (``run_notebooks``): each verdict by the notebook's path."""
+
+    date: str
+    cell_timeout: int
+    results: dict[str, NotebookVerdict]
+    cells: NotRequired[str]  # --version-specific: which cells ran
+
+
+class Row(Pair):
+    """One version's results: the pair, the last run's date and tree, what its scripts and notebooks did."""
+
+    date: str
+    source: Source
+    scripts: NotRequired[ScriptsRun]
+    notebooks: NotRequired[NotebooksRun]
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Where runs keep what they make: ``$TORCH_MATRIX_CACHE`` (CI keeps it per machine), or
+    ``.cache/torch-matrix/`` in the clone."""
+
+    root: Path
+
+    @classmethod
+    def from_environment(cls) -> Cache:
+        return cls(Path(os.environ.get("TORCH_MATRIX_CACHE") or ROOT / ".cache" / "torch-matrix"))
+
+    @property
+    def envs(self) -> Path:
+        """An environment per pair, and its constraints."""
+        return self.root / "envs"
+
+    @property
+    def checks(self) -> Path:
+        """The results of --check runs, kept apart from the committed ones."""
+        return self.root / "results"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def src(self) -> Path:
+        """The copy of the tree under test (``copy_worktree``)."""
+        return self.root / "src"
+
+    @property
+    def sources(self) -> Path:
+        """torch's Python files, by version (--save-sources)."""
+        return self.root / "sources"
+
+
 # ---- versions ----------------------------------------------------------------------------------------------
 
 
@@ -141,25 +269,23 @@ def label(minor: tuple[int, int]) -> str:
 
 def declared_floor(pyproject: Path = ROOT / "pyproject.toml") -> tuple[int, int]:
     """The torch minor version pyproject.toml's ``torch>=2.M`` declares."""
-    for req in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
-        found = re.fullmatch(r"torch\s*>=\s*(\d+\.\d+)(\.\d+)?", req.strip())
-        if found:
-            return minor_of(found[1])
-    raise ValueError(f"{pyproject} declares no torch>=2.M")
+    floor = read_floors(pyproject).get("torch")
+    if floor is None:
+        raise ValueError(f"{pyproject} declares no torch>=2.M")
+    return minor_of(floor)
 
 
 def pinned_pair() -> dict[str, str]:
-    pins = dict(
-        re.findall(r"^(torch|torchvision)==(\S+)", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
-    )
+    """The torch and torchvision constraints.txt pins: what the notebooks are run with."""
+    pins = read_pins(ROOT / "constraints.txt")
     return {"torch": pins["torch"], "torchvision": pins["torchvision"]}
 
 
-def _pip_env(constraints: Path | None = None) -> dict[str, str]:
+def _pip_env(cache: Cache, constraints: Path | None = None) -> dict[str, str]:
     """This machine's pip configuration (index, certificates, find-links), with our constraints in place of
     any configured ones (an environment variable overrides pip's configuration files), no download cache."""
     if constraints is None:
-        constraints = CACHE / "no-constraints.txt"
+        constraints = cache.root / "no-constraints.txt"
         constraints.parent.mkdir(parents=True, exist_ok=True)
         constraints.write_text("")
     return dict(
@@ -167,13 +293,13 @@ def _pip_env(constraints: Path | None = None) -> dict[str, str]:
     )
 
 
-def index_versions(name: str) -> list[str]:
+def index_versions(name: str, cache: Cache) -> list[str]:
     """The versions ``pip index versions NAME`` lists, newest first, local builds (``+cpu``) included."""
     out = subprocess.run(
         [sys.executable, "-m", "pip", "index", "versions", name],
         capture_output=True,
         text=True,
-        env=_pip_env(),
+        env=_pip_env(cache),
         timeout=300,
         check=False,
     ).stdout
@@ -183,22 +309,16 @@ def index_versions(name: str) -> list[str]:
     raise RuntimeError(f"pip lists no versions of {name}:\n{out}")
 
 
-def release(version: str) -> tuple[int, ...]:
-    """'2.13.0+cpu' -> (2, 13, 0)."""
-    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version)[0].split("."))
-
-
 def newest_minor(versions: Sequence[str]) -> tuple[int, int]:
     return max(minor_of(v) for v in versions if "+" not in v)
 
 
-def resolve(minor: tuple[int, int], torch_versions: Sequence[str]) -> dict[str, Any]:
+def resolve(minor: tuple[int, int], torch_versions: Sequence[str], cache: Cache) -> Pair:
     """The pair pip picks for ``torch==2.M.*`` with ``torchvision==0.(M+15).*`` (metadata only, nothing
-    installed), local builds such as find-links' 2.13.0+cpu left out: {"minor", "torch", "torchvision",
-    "exclude", "why"}."""
+    installed), local builds such as find-links' 2.13.0+cpu left out."""
     exclude = [v for v in torch_versions if "+" in v and minor_of(v) == minor]
-    pair = {"minor": label(minor), "torch": None, "torchvision": None, "exclude": exclude, "why": ""}
-    constraints = CACHE / f"resolve-{label(minor)}.txt"
+    pair: Pair = {"minor": label(minor), "torch": None, "torchvision": None, "exclude": exclude, "why": ""}
+    constraints = cache.root / f"resolve-{label(minor)}.txt"
     constraints.parent.mkdir(parents=True, exist_ok=True)
     constraints.write_text("".join(f"torch!={v}\n" for v in exclude))
     tv = f"0.{minor[1] + TV_OFFSET}"
@@ -218,7 +338,7 @@ def resolve(minor: tuple[int, int], torch_versions: Sequence[str]) -> dict[str, 
         ],
         capture_output=True,
         text=True,
-        env=_pip_env(constraints),
+        env=_pip_env(cache, constraints),
         timeout=900,
         check=False,
     )
@@ -255,6 +375,7 @@ def become_subreaper() -> None:
 
 def descendants() -> list[int]:
     """Every live process below this one (zombies left out)."""
+    # its own /proc parse: the package's is in its launch modules, which this tool never imports (only pins)
     kids: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -309,11 +430,11 @@ def kill_descendants() -> list[str]:
 
 
 def run_child(
-    cmd: Sequence[Any], *, log: Path, timeout: float, cwd: Path, env: Mapping[str, str]
-) -> dict[str, Any]:
+    cmd: Sequence[str | Path], *, log: Path, timeout: float, cwd: Path, env: Mapping[str, str]
+) -> ChildRun:
     """Run ``cmd`` at nice 10 in its own session, its output to ``log``; when it ends or its time is up, kill
-    whatever it left running. {"rc", "timed_out", "seconds", "leftovers"}: leftovers are processes still
-    alive 15 s after the child ended by itself (a launch's ranks end when their lifeline closes: a moment)."""
+    whatever it left running: its leftovers are processes still alive 15 s after the child ended by itself (a
+    launch's ranks end when their lifeline closes: a moment)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with open(log, "wb") as out:
@@ -354,39 +475,43 @@ def run_child(
 # ---- environments and the copy of the series under test ----------------------------------------------------
 
 
-def env_name(pair: Mapping[str, Any]) -> str:
+class EnvInfo(TypedDict):
+    """The environment a version runs in (``ensure_env``), and whether it was there already."""
+
+    env: str
+    reused: bool
+    install_seconds: NotRequired[int]
+
+
+def env_name(pair: Pair) -> str:
     return f"torch-{pair['torch']}-tv{pair['torchvision']}"
 
 
-def own_python_has(pair: Mapping[str, Any]) -> bool:
+def own_python_has(pair: Pair) -> bool:
     """Whether this interpreter's environment has exactly ``pair`` (local builds such as +cu130 aside)."""
     code = "import torch, torchvision; print(torch.__version__, torchvision.__version__)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=False)
     return [v.split("+")[0] for v in done.stdout.split()] == [pair["torch"], pair["torchvision"]]
 
 
-def ensure_env(pair: Mapping[str, Any], notebooks: bool = True) -> tuple[Path, dict[str, Any]]:
+def ensure_env(pair: Pair, cache: Cache, notebooks: bool = True) -> tuple[Path, EnvInfo]:
     """The Python of an environment with ``pair`` (made if missing), and what was done. For the scripts
     alone (``notebooks=False``, what CI's floor check runs) it gets torch and torchvision: the scripts import
     nothing else, and the children find ddp_helpers on PYTHONPATH. For the notebooks it also gets the project
     with ``pip install -e`` (so pip checks pyproject.toml's floor too) and the project's other dependencies,
     added to an environment made for the scripts; below the floor, where pip would refuse the project, the
     project goes in without its dependencies, and those by name (to see why a release is below the floor)."""
-    path = ENVS / env_name(pair)
+    path = cache.envs / env_name(pair)
     mark = path / "matrix-env.json"
     python = path / "bin" / "python"
     requirements = [f"torch=={pair['torch']}", f"torchvision=={pair['torchvision']}"]
-    others = [
-        r
-        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-        if not re.match(r"torch(vision)?\b", r)
-    ]
+    others = [r for r in read_dependencies(ROOT / "pyproject.toml") if not re.match(r"torch(vision)?\b", r)]
     have = json.loads(mark.read_text()).get("wanted", {}) if mark.exists() else {}
     if have.get("requirements") != requirements:
         have = {}
     if have and (not notebooks or have.get("others") == others):  # the floor may move without a new install
         return python, {"env": path.name, "reused": True}
-    constraints = ENVS / f"{path.name}.constraints.txt"
+    constraints = cache.envs / f"{path.name}.constraints.txt"
     constraints.parent.mkdir(parents=True, exist_ok=True)
     constraints.write_text("\n".join(requirements + [f"torch!={v}" for v in pair.get("exclude", [])]) + "\n")
     pip = [python, "-m", "pip", "install", "--quiet"]
@@ -396,25 +521,25 @@ def ensure_env(pair: Mapping[str, Any], notebooks: bool = True) -> tuple[Path, d
         steps += [[sys.executable, "-m", "venv", path], [*pip, *requirements]]
     if notebooks:
         if minor_of(pair["torch"]) < declared_floor():
-            steps += [[*pip, *others, "pytest", "pytest-timeout"], [*pip, "--no-deps", "-e", SRC]]
+            steps += [[*pip, *others, "pytest", "pytest-timeout"], [*pip, "--no-deps", "-e", cache.src]]
         else:
-            steps += [[*pip, "-e", SRC, "pytest", "pytest-timeout"]]
+            steps += [[*pip, "-e", cache.src, "pytest", "pytest-timeout"]]
     start = time.monotonic()
     for i, step in enumerate(steps):
-        log = LOGS / path.name / f"install.{i}.log"
-        if run_child(step, log=log, timeout=3600, cwd=ROOT, env=_pip_env(constraints))["rc"] != 0:
+        log = cache.logs / path.name / f"install.{i}.log"
+        if run_child(step, log=log, timeout=3600, cwd=ROOT, env=_pip_env(cache, constraints))["rc"] != 0:
             shutil.rmtree(path, ignore_errors=True)
             tail = log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"installing {path.name} failed; see {log}:\n{tail}")
-    info = {"env": path.name, "reused": False, "install_seconds": round(time.monotonic() - start)}
+    info: EnvInfo = {"env": path.name, "reused": False, "install_seconds": round(time.monotonic() - start)}
     wanted = {"requirements": requirements, "others": others if notebooks else have.get("others", [])}
     mark.write_text(json.dumps({"wanted": wanted, **info}, indent=1))
     return python, info
 
 
-def copy_worktree() -> dict[str, str]:
-    """A fresh copy of the series in SRC: the files git tracks or would track, as they are on disk."""
-    shutil.rmtree(SRC, ignore_errors=True)
+def copy_worktree(src: Path) -> Source:
+    """A fresh copy of the series in ``src``: the files git tracks or would track, as they are on disk."""
+    shutil.rmtree(src, ignore_errors=True)
     git = ["git", "-C", str(ROOT)]
     names = subprocess.run(
         git + ["ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -423,12 +548,12 @@ def copy_worktree() -> dict[str, str]:
     ).stdout.split(b"\0")
     for name in map(os.fsdecode, filter(None, names)):
         if (ROOT / name).is_file():
-            (SRC / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, SRC / name)
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     return tree_source()
 
 
-def tree_source() -> dict[str, Any]:
+def tree_source() -> Source:
     """The commit the working tree is at, and whether it has uncommitted changes (the results of earlier
     versions in this run, and the tables they go into, are not changes of the tree they were run from)."""
     git = ["git", "-C", str(ROOT)]
@@ -440,8 +565,8 @@ def tree_source() -> dict[str, Any]:
     return {"commit": commit, "edited": bool(dirty)}
 
 
-def save_sources(python: Path, version: str) -> None:
-    """Keep this version's torch/*.py under SOURCES/<version>/ (60 MB), to compare after the env is gone."""
+def save_sources(python: Path, version: str, folder: Path) -> None:
+    """Keep this version's torch/*.py in ``folder``/<version>/ (60 MB), to compare after the env is gone."""
     site = subprocess.run(
         [python, "-c", "import torch, os; print(os.path.dirname(torch.__file__))"],
         capture_output=True,
@@ -449,7 +574,7 @@ def save_sources(python: Path, version: str) -> None:
         cwd="/",
         check=True,
     ).stdout.strip()
-    target = SOURCES / version / "torch"
+    target = folder / version / "torch"
     if not target.exists():
         shutil.copytree(
             site,
@@ -460,10 +585,12 @@ def save_sources(python: Path, version: str) -> None:
         )
 
 
-def child_env(python: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONDONTWRITEBYTECODE="1")
+def child_env(python: Path, src: Path) -> dict[str, str]:
+    """A child's environment: ``python``'s environment first on PATH (its jupyter and torchrun), the copy of
+    the tree under test on PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
     env.pop("VIRTUAL_ENV", None)
-    env["PATH"] = f"{python.parent}:{env.get('PATH', '')}"  # the environment's jupyter and torchrun first
+    env["PATH"] = f"{python.parent}:{env.get('PATH', '')}"
     return env
 
 
@@ -477,13 +604,17 @@ def case_key(script: str, args: Sequence[str]) -> str:
     return script.removesuffix(".py") + extra + (" --buggy" if "--buggy" in args else "")
 
 
-def run_scripts(python: Path, log_dir: Path, only: str, timeout: float, warm_only: bool = False) -> dict:
+def run_scripts(
+    python: Path, src: Path, log_dir: Path, only: str, timeout: float, warm_only: bool = False
+) -> ScriptsRun:
+    """Every case of benchmarks/warm_fidelity.py (those whose script starts with ``only``) in ``src``, run by
+    ``python``, its launches gathered by case."""
     events = log_dir / "scripts.jsonl"
     events.unlink(missing_ok=True)
     cmd = [python, "benchmarks/warm_fidelity.py", "--json", events] + ([only] if only else [])
     cmd += ["--warm-only"] if warm_only else []
-    done = run_child(cmd, log=log_dir / "scripts.log", timeout=timeout, cwd=SRC, env=child_env(python))
-    cases: dict[str, dict[str, Any]] = {}
+    done = run_child(cmd, log=log_dir / "scripts.log", timeout=timeout, cwd=src, env=child_env(python, src))
+    cases: dict[str, Case] = {}
     for line in events.read_text().splitlines() if events.exists() else []:
         event = json.loads(line)
         case = cases.setdefault(case_key(event["script"], event["args"]), {"seconds": {}})
@@ -544,12 +675,10 @@ def _covered(path: str, prefixes: Sequence[str]) -> bool:
     return any(_pattern(path) == p or _pattern(path).startswith((p + ".", p + "[")) for p in prefixes)
 
 
-def _core(outcome: Mapping[str, Any] | None) -> dict[str, Any]:
+def _core(outcome: Outcome | None) -> dict[str, Any]:
     """What is compared: not the error's text, which names processes and ports; of a failed launch, the
     distinct records, whoever printed them (a rank stopped while its peer fails may not print its own)."""
     core = {k: v for k, v in (outcome or {}).items() if k not in ("error", "launcher_error")}
-    if "timed_out" in core:  # what results stored before 2026-12-02 call "hung"
-        core["hung"] = core.pop("timed_out")
     if "raised" in core and outcome.get("error"):  # the blamed rank's exception only (older results: all)
         core["raised"] = re.findall(r"^(?:\w+: )?rank \d+ raised (\w+)", outcome["error"])[:1]
     if core.get("failed") and "records" in core:
@@ -560,7 +689,7 @@ def _core(outcome: Mapping[str, Any] | None) -> dict[str, Any]:
     return core
 
 
-def error_line(outcome: Mapping[str, Any]) -> str:
+def error_line(outcome: Outcome) -> str:
     """How a launch failed, in one line: the blamed rank's exception (its traceback's last line) or a hang."""
     if outcome.get("unfinished"):
         return "the run's time ran out during this launch"
@@ -575,7 +704,7 @@ def error_line(outcome: Mapping[str, Any]) -> str:
         .removeprefix("JobFailedError: ")
         .removeprefix("TorchrunError: ")
     )
-    if outcome.get("hung") or outcome.get("timed_out") or len(lines) == 1:
+    if outcome.get("hung") or len(lines) == 1:
         return first[:200]
     found = re.match(r"rank (\d+) raised ", first)
     return (f"rank {found[1]}: {lines[-1]}" if found else f"{first.rstrip('.:')}: {lines[-1]}")[:240]
@@ -589,9 +718,7 @@ def named_for(key: str, minor: tuple[int, int]) -> list[tuple[int, list[str], st
     ]
 
 
-def script_verdict(
-    key: str, case: Mapping[str, Any], reference: Mapping[str, Any] | None, minor: tuple[int, int]
-) -> tuple[str, str]:
+def script_verdict(key: str, case: Case, reference: Case | None, minor: tuple[int, int]) -> tuple[str, str]:
     """(verdict, one-line detail) of one case on one version, against the pinned version's (None: this is the
     pinned row, compared warm against cold only). Verdicts: pass, pass≈, floats differ, named, differs, fails,
     hangs, warm≠cold, not run."""
@@ -769,13 +896,12 @@ def _error_of(output: Mapping[str, Any]) -> tuple[str, bool]:
     lines = [ln.strip() for ln in _plain(str(output.get("evalue", ""))).splitlines() if ln.strip()] or [""]
     hang = output.get("ename") == "JobHungError" or bool(re.match(r"(timed out after|stalled)", lines[0]))
     if output.get("ename", "").endswith(("TorchrunError", "JobFailedError", "JobHungError")):
-        return error_line({"error": "\n".join(lines), "hung": hang})[:300], hang
+        return error_line({"failed": True, "error": "\n".join(lines), "hung": hang})[:300], hang
     return f"{output.get('ename', '')}: {lines[-1]}".rstrip(": ")[:300], hang
 
 
-def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What one nbmake run of one notebook says: {"status": pass | version-specific | fail | hang | error,
-    "cell", "error", "version_specific", "cells"}; ``nb``: the executed notebook (None if nbmake wrote none).
+def notebook_verdict(done: ChildRun, log_text: str, nb: Mapping[str, Any] | None) -> NotebookVerdict:
+    """What one nbmake run of one notebook says; ``nb``: the executed notebook (None if nbmake wrote none).
     Version-specific cells run on when they fail (``let_version_specific_cells_fail``): a notebook whose only
     failures are there is "version-specific", with those cells; any other failing cell is the verdict."""
     cells = (nb or {}).get("cells", [])
@@ -818,13 +944,13 @@ def notebook_verdict(done: Mapping[str, Any], log_text: str, nb: Mapping[str, An
     return {"status": "error", "cell": None, "error": " / ".join(tail)[-240:], **extra}
 
 
-def slurm_missing(python: Path) -> str | None:
+def slurm_missing(python: Path, src: Path) -> str | None:
     """Why notebook 05's SLURM cells (section 7) will submit no jobs in this run, in the line they print
     (``practice_cluster_missing``, asked in the version's own environment), or None: they run, on the
     practice cluster of tools/slurm_cluster.sh, with this version (the jobs run the kernel's Python)."""
     code = "from ddp_helpers.slurm import practice_cluster_missing as m; print(m() or '')"
     done = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, cwd=SRC, env=child_env(python), check=False
+        [python, "-c", code], capture_output=True, text=True, cwd=src, env=child_env(python, src), check=False
     )
     if done.returncode:
         return f"not known: {done.stderr.strip()[-200:]}"
@@ -837,32 +963,33 @@ def uses_slurm(notebook: Path) -> bool:
 
 def run_notebooks(
     python: Path,
+    src: Path,
     log_dir: Path,
     paths: Sequence[str],
     cell_timeout: int,
     limit: float,
     version_specific: bool = False,
-) -> dict:
+) -> NotebooksRun:
     """Each notebook under nbmake, one at a time: whole, its version-specific cells let fail; or (
     ``version_specific``) the cells its version-specific cells need (``version_specific_slice``), where those
     must pass, and where that fails, every cell up to the last version-specific one, whose verdict counts (a
     slice that missed a cell's side effect costs time, never a false failure)."""
-    results = {}
-    slurm = slurm_missing(python) if any(uses_slurm(SRC / rel) for rel in paths) else None
+    results: dict[str, NotebookVerdict] = {}
+    slurm = slurm_missing(python, src) if any(uses_slurm(src / rel) for rel in paths) else None
     for rel in paths:
         if not version_specific:
             verdict = _run_notebook(
-                python, log_dir, rel, let_version_specific_cells_fail, cell_timeout, limit
+                python, src, log_dir, rel, let_version_specific_cells_fail, cell_timeout, limit
             )
         else:
-            verdict = _run_notebook(python, log_dir, rel, version_specific_slice, cell_timeout, limit)
+            verdict = _run_notebook(python, src, log_dir, rel, version_specific_slice, cell_timeout, limit)
             if verdict["status"] != "pass":
                 sliced = {k: verdict[k] for k in ("status", "cell", "error", "seconds") if k in verdict}
                 verdict = _run_notebook(
-                    python, log_dir, rel, up_to_last_version_specific_cell, cell_timeout, limit
+                    python, src, log_dir, rel, up_to_last_version_specific_cell, cell_timeout, limit
                 )
                 verdict["slice"] = sliced
-        if slurm and uses_slurm(SRC / rel):  # the SLURM cells printed this line and passed
+        if slurm and uses_slurm(src / rel):  # the SLURM cells printed this line and passed
             verdict["slurm_not_run"] = slurm
         results[rel] = verdict
         print(
@@ -888,9 +1015,15 @@ def run_notebooks(
 
 
 def _run_notebook(
-    python: Path, log_dir: Path, rel: str, prepare: Callable[[str], str], cell_timeout: int, limit: float
-) -> dict[str, Any]:
-    """One nbmake run of ``prepare``(the notebook), in SRC; the file is restored after."""
+    python: Path,
+    src: Path,
+    log_dir: Path,
+    rel: str,
+    prepare: Callable[[str], str],
+    cell_timeout: int,
+    limit: float,
+) -> NotebookVerdict:
+    """One nbmake run of ``prepare``(the notebook), in ``src``; the file is restored after."""
     log = log_dir / "notebooks" / f"{Path(rel).stem}.log"
     cmd = [
         python,
@@ -907,19 +1040,18 @@ def _run_notebook(
         "--overwrite",
         rel,
     ]
-    before = (SRC / rel).read_text()
-    (SRC / rel).write_text(prepare(before))
+    before = (src / rel).read_text()
+    (src / rel).write_text(prepare(before))
     try:
-        done = run_child(cmd, log=log, timeout=limit, cwd=SRC, env=child_env(python))
-        after = (SRC / rel).read_text()
+        done = run_child(cmd, log=log, timeout=limit, cwd=src, env=child_env(python, src))
+        after = (src / rel).read_text()
         executed = json.loads(after) if after != prepare(before) else None
         if executed is not None:
-            shutil.copy2(SRC / rel, log.with_suffix(".ipynb"))
+            shutil.copy2(src / rel, log.with_suffix(".ipynb"))
     finally:
-        (SRC / rel).write_text(
-            before
-        )  # the next notebook (a solutions notebook reads its own) sees the original
-    verdict = {
+        # the next notebook (a solutions notebook reads its own) sees the original
+        (src / rel).write_text(before)
+    verdict: NotebookVerdict = {
         **notebook_verdict(done, log.read_text(errors="replace"), executed),
         "seconds": done["seconds"],
     }
@@ -935,9 +1067,9 @@ def today() -> str:
     return datetime.date.today().isoformat()
 
 
-def store(result: Mapping[str, Any], folder: Path | None = None) -> Path:
+def store(result: Row, folder: Path = RESULTS) -> Path:
     """Write one version's result, keeping what an earlier run of the same pair had and this one did not."""
-    path = (folder or RESULTS) / f"torch-{result['minor']}.json"
+    path = folder / f"torch-{result['minor']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     merged = json.loads(path.read_text()) if path.exists() else {}
     if (merged.get("torch"), merged.get("torchvision")) != (result.get("torch"), result.get("torchvision")):
@@ -953,8 +1085,8 @@ def store(result: Mapping[str, Any], folder: Path | None = None) -> Path:
     return path
 
 
-def load_results(folder: Path | None = None) -> list[dict[str, Any]]:
-    folder = folder or RESULTS
+def load_results(folder: Path = RESULTS) -> list[Row]:
+    """Every version's stored result, the oldest first."""
     rows = [json.loads(p.read_text()) for p in folder.glob("torch-*.json")] if folder.is_dir() else []
     return sorted(rows, key=lambda r: minor_of(r["minor"]))
 
@@ -981,7 +1113,7 @@ def _notebook_column(rel: str) -> str:
 NOTEBOOK_COLUMNS = sorted(map(_notebook_column, _SERIES))
 
 
-def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -> list[str]:
+def check_failures(rows: Sequence[Row], pinned: Mapping[str, str]) -> list[str]:
     """Every script case on every row that is not one of OK: what --check fails on."""
     reference = next((r for r in rows if r.get("torch") == pinned["torch"]), None)
     ref_cases = (reference or {}).get("scripts", {}).get("cases", {})
@@ -1000,7 +1132,7 @@ def check_failures(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str])
     return bad
 
 
-def notebook_failures(results: Sequence[Mapping[str, Any]]) -> list[str]:
+def notebook_failures(results: Sequence[Row]) -> list[str]:
     """Every notebook a --check run ran (``results``: its versions' results) whose verdict is not a pass."""
     return [
         f"{row['torch']} {rel}: {v['status']} in cell {v.get('cell')}: {v.get('error')}"
@@ -1010,22 +1142,21 @@ def notebook_failures(results: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
 
 
-def _tree(source: Mapping[str, Any] | None) -> str:
+def _tree(source: Source | None) -> str:
     """The commit a run copied, short, with + where the working tree had uncommitted changes."""
     if not (source or {}).get("commit"):
         return "?"
     return source["commit"][:7] + ("+" if source.get("edited") else "")
 
 
-def tree_cell(row: Mapping[str, Any]) -> str:
-    """Which tree each part of a row was run from: one commit, or each with the parts it ran. Results stored
-    before each part kept its own have one source per row, the last run's: a row with no part of its own
-    shows that one; in a row that has some, a part without one shows "?" (run earlier, its tree not kept)."""
-    own = [row["scripts"]] if row.get("scripts") else []
+def tree_cell(row: Row) -> str:
+    """Which tree each part of a row was run from: one commit, or each with the parts it ran ("?" for a part
+    stored without one); a row with no parts, the tree of its last run."""
+    own: list[ScriptsRun | NotebookVerdict] = [row["scripts"]] if row.get("scripts") else []
     own += [v for _, v in sorted((row.get("notebooks") or {}).get("results", {}).items())]
     names = ["scripts"] * bool(row.get("scripts"))
     names += [_notebook_column(rel) for rel in sorted((row.get("notebooks") or {}).get("results", {}))]
-    if not any(part.get("source") for part in own):
+    if not own:
         return _tree(row.get("source"))
     parts: dict[str, list[str]] = {}
     for name, part in zip(names, own, strict=True):
@@ -1035,7 +1166,7 @@ def tree_cell(row: Mapping[str, Any]) -> str:
     return "; ".join(f"{tree}: {', '.join(names)}" for tree, names in parts.items())
 
 
-def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -> str:
+def render_table(rows: Sequence[Row], pinned: Mapping[str, str]) -> str:
     """One row per torch minor version, the version first: torchvision, date, the tree it was run from, the
     scripts, each notebook."""
     reference = next((r for r in rows if r.get("torch") == pinned["torch"] and r.get("scripts")), None)
@@ -1100,7 +1231,8 @@ def render_table(rows: Sequence[Mapping[str, Any]], pinned: Mapping[str, str]) -
                 cells.append(f"version-specific in {where} " + note(why))
             else:
                 what = {"fail": "fails", "hang": "hangs", "error": "error"}[v["status"]]
-                if v.get("version_specific"):  # a result stored before version-specific cells ran on
+                # a version-specific cell stopped the run (--version-specific does not let them fail)
+                if v.get("version_specific"):
                     what = "version-specific"
                 where = f" in cell {v['cell']}" if v.get("cell") is not None else ""
                 cells.append(f"{what}{where} " + note(f"{row['torch']}, {column}: {v.get('error', '')}"))
@@ -1137,73 +1269,8 @@ def replace_between_markers(text: str, block: str) -> str:
 # ---- the command -------------------------------------------------------------------------------------------
 
 
-def run_version(
-    pair: dict[str, Any], args: argparse.Namespace, pinned: Mapping[str, str], results: Path
-) -> dict[str, Any]:
-    """Run one version: its scripts, its notebooks; store the result and return it."""
-    print(f"  {pair['minor']}: torch {pair['torch']} + torchvision {pair['torchvision']}", flush=True)
-    source = copy_worktree()
-    is_pinned = pair["torch"] == pinned["torch"]
-    if is_pinned and own_python_has(pair):
-        python, info = Path(sys.executable), {"env": "this interpreter's", "reused": True}
-    else:
-        python, info = ensure_env(pair, notebooks=args.notebooks or args.version_specific)
-    print(
-        f"    environment {info['env']}: "
-        + ("reused" if info["reused"] else f"installed in {info['install_seconds']} s"),
-        flush=True,
-    )
-    if args.save_sources:
-        save_sources(python, pair["torch"])
-    log_dir = LOGS / env_name(pair)
-    result: dict[str, Any] = {**pair, "date": today(), "source": source}
-    if not args.no_scripts:
-        only = args.only[0] if len(args.only) == 1 else ""
-        # --check's reference: the pinned version's own warm and cold agree in every full run (and
-        # benchmarks/warm_fidelity.py checks it), so one launch, warm, is what the others are compared with.
-        warm_only = args.warm_only or (args.check and is_pinned)
-        s = result["scripts"] = run_scripts(python, log_dir, only, args.scripts_timeout, warm_only)
-        s["source"] = source
-        ran_out = " (time ran out)" if s["timed_out"] else ""
-        print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
-    if args.notebooks or (args.version_specific and not is_pinned):
-        result["notebooks"] = run_notebooks(
-            python,
-            log_dir,
-            notebook_paths(SRC, args.solutions, args.only)
-            if args.notebooks
-            else version_specific_paths(SRC, args.only),
-            args.cell_timeout,
-            args.notebook_timeout,
-            version_specific=not args.notebooks,
-        )
-        for verdict in result["notebooks"]["results"].values():
-            verdict["source"] = source  # kept with each notebook: a later run of others keeps this one
-    store(result, results)
-    keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
-    if not keep and python.parent.parent.parent == ENVS:
-        shutil.rmtree(python.parent.parent, ignore_errors=True)
-    return result
-
-
-def hold_cache_lock():
-    """An exclusive lock on the cache, held until this process ends, or None when another run holds it: two
-    runs at once would each replace the copy of the tree (SRC) the other is running from."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    lock = open(CACHE / "lock", "w")  # noqa: SIM115 -- kept open for the life of the process
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        return None
-    return lock
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # run_child kills whatever is running on the way out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None, cache: Cache) -> argparse.Namespace:
+    """The command line the module docstring shows."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1235,7 +1302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the notebooks with version-specific cells, up to the last, which must pass (not on the pinned)",
     )
-    parser.add_argument("--save-sources", action="store_true", help=f"keep torch/*.py under {SOURCES}")
+    parser.add_argument("--save-sources", action="store_true", help=f"keep torch/*.py under {cache.sources}")
     parser.add_argument("--cell-timeout", type=int, default=300, help="seconds a notebook cell may take")
     parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds a notebook may take")
     parser.add_argument("--scripts-timeout", type=float, default=3600, help="seconds all scripts may take")
@@ -1248,72 +1315,194 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--write-table", "--write-readme", action="store_true", help=f"write the table into {TABLE_PAGE}"
     )
-    args = parser.parse_args(argv)
-    if not args.table:
-        lock = hold_cache_lock()
-        if lock is None:
-            print(f"torch_matrix: another run uses {CACHE} (its copy of the tree, {SRC}); wait for it to end")
-            return 2
-    pinned = pinned_pair()
-    results = CHECKS if args.check else RESULTS  # a check's runs do not change the committed table
-    ran: list[str] = []
-    fresh: list[dict[str, Any]] = []  # this run's results (a check's store keeps earlier runs' notebooks too)
-    if not args.table:
-        become_subreaper()
-        signal.signal(signal.SIGTERM, _interrupted)
-        torches = index_versions("torch")
-        floor = declared_floor()
-        if args.floor:
-            minors = [floor]
-        elif args.versions:
-            minors = [minor_of(v) for v in args.versions]
+    return parser.parse_args(argv)
+
+
+def choose_minors(
+    args: argparse.Namespace, torches: Sequence[str], floor: tuple[int, int], pinned: Mapping[str, str]
+) -> list[tuple[int, int]]:
+    """The minor versions to run: those named, the floor, or every one from the floor to the newest the
+    index has (``torches``); with --check the pinned one first, the reference, from the same tree."""
+    if args.floor:
+        minors = [floor]
+    elif args.versions:
+        minors = [minor_of(v) for v in args.versions]
+    else:
+        newest = newest_minor(torches)
+        minors = [(2, m) for m in range(floor[1], newest[1] + 1)] if newest[0] == 2 == floor[0] else [newest]
+    if args.check and minor_of(pinned["torch"]) not in minors:
+        minors.insert(0, minor_of(pinned["torch"]))
+    return minors
+
+
+def results_folder(check: bool, cache: Cache) -> Path:
+    """Where a run stores its results: a check's in the cache, so that it leaves the committed table alone."""
+    return cache.checks if check else RESULTS
+
+
+def pair_for(minor: tuple[int, int], torches: Sequence[str], pinned: Mapping[str, str], cache: Cache) -> Pair:
+    """The pinned pair for the pinned minor version; for any other, the pair pip picks (``resolve``)."""
+    if minor != minor_of(pinned["torch"]):
+        return resolve(minor, torches, cache)
+    return {
+        "minor": label(minor),
+        "torch": pinned["torch"],
+        "torchvision": pinned["torchvision"],
+        "exclude": [],
+        "why": "",
+    }
+
+
+def prepare_env(pair: Pair, args: argparse.Namespace, cache: Cache) -> None:
+    """--prepare: make (or find) the environment ``pair`` will run in, with the notebooks' where they run."""
+    notebooks = args.notebooks or args.version_specific
+    if notebooks:
+        copy_worktree(cache.src)  # the project, installed from the copy the notebooks will run in
+    _, info = ensure_env(pair, cache, notebooks=notebooks)
+    how = "reused" if info["reused"] else f"installed in {info['install_seconds']} s"
+    print(f"  {pair['minor']}: environment {info['env']}: {how}", flush=True)
+
+
+def run_version(
+    pair: Pair, args: argparse.Namespace, pinned: Mapping[str, str], cache: Cache, folder: Path
+) -> Row:
+    """Run one version: its scripts, its notebooks; store the result in ``folder`` and return it."""
+    print(f"  {pair['minor']}: torch {pair['torch']} + torchvision {pair['torchvision']}", flush=True)
+    source = copy_worktree(cache.src)
+    is_pinned = pair["torch"] == pinned["torch"]
+    if is_pinned and own_python_has(pair):
+        python, info = Path(sys.executable), EnvInfo(env="this interpreter's", reused=True)
+    else:
+        python, info = ensure_env(pair, cache, notebooks=args.notebooks or args.version_specific)
+    print(
+        f"    environment {info['env']}: "
+        + ("reused" if info["reused"] else f"installed in {info['install_seconds']} s"),
+        flush=True,
+    )
+    if args.save_sources:
+        save_sources(python, pair["torch"], cache.sources)
+    log_dir = cache.logs / env_name(pair)
+    result: Row = {**pair, "date": today(), "source": source}
+    if not args.no_scripts:
+        only = args.only[0] if len(args.only) == 1 else ""
+        # --check's reference: the pinned version's own warm and cold agree in every full run (and
+        # benchmarks/warm_fidelity.py checks it), so one launch, warm, is what the others are compared with.
+        warm_only = args.warm_only or (args.check and is_pinned)
+        s = result["scripts"] = run_scripts(python, cache.src, log_dir, only, args.scripts_timeout, warm_only)
+        s["source"] = source
+        ran_out = " (time ran out)" if s["timed_out"] else ""
+        print(f"    scripts: {len(s['cases'])} cases in {s['seconds']:.0f} s{ran_out}", flush=True)
+    if args.notebooks or (args.version_specific and not is_pinned):
+        result["notebooks"] = run_notebooks(
+            python,
+            cache.src,
+            log_dir,
+            notebook_paths(cache.src, args.solutions, args.only)
+            if args.notebooks
+            else version_specific_paths(cache.src, args.only),
+            args.cell_timeout,
+            args.notebook_timeout,
+            version_specific=not args.notebooks,
+        )
+        for verdict in result["notebooks"]["results"].values():
+            verdict["source"] = source  # kept with each notebook: a later run of others keeps this one
+    store(result, folder)
+    keep = minor_of(pair["torch"]) == declared_floor() or args.keep_envs
+    if not keep and python.parent.parent.parent == cache.envs:
+        shutil.rmtree(python.parent.parent, ignore_errors=True)
+    return result
+
+
+def run(
+    minors: Sequence[tuple[int, int]],
+    torches: Sequence[str],
+    args: argparse.Namespace,
+    pinned: Mapping[str, str],
+    cache: Cache,
+) -> list[Row]:
+    """Run each version in turn, storing each result as it comes (with --prepare only make the environments):
+    the rows this run stored."""
+    folder = results_folder(args.check, cache)
+    rows: list[Row] = []
+    for minor in minors:
+        pair = pair_for(minor, torches, pinned, cache)
+        if args.prepare:
+            if pair["torchvision"] is not None and pair["torch"] != pinned["torch"]:
+                prepare_env(pair, args, cache)
+        elif pair["torchvision"] is None:
+            print(f"  {pair['minor']}: {pair['why']}", flush=True)
+            rows.append({**pair, "date": today(), "source": tree_source()})
+            store(rows[-1], folder)
         else:
-            newest = newest_minor(torches)
-            minors = (
-                [(2, m) for m in range(floor[1], newest[1] + 1)] if newest[0] == 2 == floor[0] else [newest]
-            )
-        if args.check and minor_of(pinned["torch"]) not in minors:
-            minors.insert(0, minor_of(pinned["torch"]))  # the reference, from the same tree
-        print(f"torch_matrix: {', '.join(map(label, minors))}", flush=True)
-        for minor in minors:
-            pair = (
-                {"minor": label(minor), **pinned, "exclude": [], "why": ""}
-                if minor == minor_of(pinned["torch"])
-                else resolve(minor, torches)
-            )
-            ran.append(pair["minor"])
-            if args.prepare:
-                if pair["torchvision"] is not None and pair["torch"] != pinned["torch"]:
-                    notebooks = args.notebooks or args.version_specific
-                    if notebooks:
-                        copy_worktree()  # the project, installed from the copy the notebooks will run in
-                    _, info = ensure_env(pair, notebooks=notebooks)
-                    how = "reused" if info["reused"] else f"installed in {info['install_seconds']} s"
-                    print(f"  {pair['minor']}: environment {info['env']}: {how}", flush=True)
-                continue
-            if pair["torchvision"] is None:
-                print(f"  {pair['minor']}: {pair['why']}", flush=True)
-                store({**pair, "date": today(), "source": tree_source()}, results)
-                continue
-            result = run_version(pair, args, pinned, results)
-            fresh += [result] if result else []
-    if args.prepare:
-        return 0
-    rows = [r for r in load_results(results) if minor_of(r["minor"]) >= declared_floor()]  # older: not shown
+            rows.append(run_version(pair, args, pinned, cache, folder))
+    return rows
+
+
+def report(
+    rows: Sequence[Row], fresh: Sequence[Row], args: argparse.Namespace, pinned: Mapping[str, str]
+) -> int:
+    """Show the table of the stored ``rows`` (with --write-table, write it into TABLE_PAGE); with --check, 1
+    unless every case of the versions this run ran (``fresh``) passed, and every notebook it ran."""
     table = render_table(rows, pinned)
     print(table)
     if args.write_table:
         (ROOT / TABLE_PAGE).write_text(replace_between_markers((ROOT / TABLE_PAGE).read_text(), table))
         print(f"torch_matrix: wrote the table into {TABLE_PAGE}")
-    if args.check:
-        bad = check_failures([r for r in rows if r["minor"] in ran], pinned) + notebook_failures(fresh)
-        print(
-            "\n".join(["torch_matrix --check: failed:", *bad])
-            if bad
-            else "torch_matrix --check: every case passed"
-        )
-        return 1 if bad else 0
-    return 0
+    if not args.check:
+        return 0
+    ran = {row["minor"] for row in fresh}
+    bad = check_failures([r for r in rows if r["minor"] in ran], pinned) + notebook_failures(fresh)
+    print(
+        "\n".join(["torch_matrix --check: failed:", *bad])
+        if bad
+        else "torch_matrix --check: every case passed"
+    )
+    return 1 if bad else 0
+
+
+def hold_cache_lock(cache: Cache) -> IO[str] | None:
+    """An exclusive lock on the cache, held until this process ends, or None when another run holds it: two
+    runs at once would each replace the copy of the tree (``cache.src``) the other is running from."""
+    cache.root.mkdir(parents=True, exist_ok=True)
+    # kept open for the life of the process
+    lock = open(cache.root / "lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # run_child kills whatever is running on the way out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Choose the versions, run them, report (the module docstring says how each step goes)."""
+    cache = Cache.from_environment()
+    args = parse_args(argv, cache)
+    pinned = pinned_pair()
+    fresh: list[Row] = []
+    if not args.table:
+        lock = hold_cache_lock(cache)
+        if lock is None:
+            print(
+                f"torch_matrix: another run uses {cache.root} (its copy of the tree, {cache.src}); "
+                "wait for it to end"
+            )
+            return 2
+        become_subreaper()
+        signal.signal(signal.SIGTERM, _interrupted)
+        torches = index_versions("torch", cache)
+        minors = choose_minors(args, torches, declared_floor(), pinned)
+        print(f"torch_matrix: {', '.join(map(label, minors))}", flush=True)
+        fresh = run(minors, torches, args, pinned, cache)
+    if args.prepare:
+        return 0
+    floor = declared_floor()
+    rows = [r for r in load_results(results_folder(args.check, cache)) if minor_of(r["minor"]) >= floor]
+    return report(rows, fresh, args, pinned)  # rows older than the floor are not shown
 
 
 if __name__ == "__main__":
