@@ -3,9 +3,9 @@
 Why: a cold launch starts three Python processes that each import torch (seconds each); forking from a
 process that already imported it costs milliseconds. The agent is torch's own: ``_agent.main(warm=True)``
 runs ``torch.distributed.run`` with the very flags a cold launch passes, only the workers are forked (from a
-single-threaded fork of the agent, ``_internals.start_zygote``) and run the worker wrapper as a function
-instead of as ``python -m``; the torch internals this takes are in ``_internals``, checked before the warm
-process says it is ready.
+single-threaded fork of the agent: the fork server, ``_internals.start_fork_server``) and run the worker
+wrapper as a function instead of as ``python -m``; the torch internals this takes, and the whole story of how
+a forked rank becomes a fresh one, are in ``_internals``, checked before the warm process says it is ready.
 
 The **warm process** (``python -u -m ddp_helpers._warm SOCKET``) imports torch and torchvision, touches
 neither CUDA nor threads of its own, listens on a Unix socket in a private folder, and exits when its
@@ -298,9 +298,9 @@ def serve(address: str) -> None:
     if lacking:
         print(f"unsupported: this torch lacks {', '.join(lacking)}", flush=True)
         return
-    from ddp_helpers import _agent, _worker  # noqa: F401 -- imported once here, for every fork
+    from ddp_helpers import _agent  # noqa: F401 -- imported once here, for every fork
 
-    _worker.MAIN_PROCESS = _internals.MainProcess()
+    _internals.prepare_warm_process()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
