@@ -4,7 +4,7 @@ Why not ``python -m torch.distributed.run`` directly: this keeps torch's failure
 (exit code or signal of every failed rank, by global rank) as JSON for the launcher, instead
 of a long log box to parse, and it ties the agent's life to the launching process. In a warm
 launch (``_warm``) the same function runs in a process forked from the warm process, which
-changes how it starts the workers (``_internals.fork_workers``).
+changes how it starts the workers (``_internals.patch_agent``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 from ddp_helpers import _internals
 from ddp_helpers import _protocol as protocol
@@ -25,18 +26,20 @@ def main(argv: list[str], warm: bool = False) -> int:
         # torch's agent makes a log folder for every launch (tempfile.mkdtemp(prefix="torchelastic_")) and
         # never removes it, nor does a forked agent remove multiprocessing's (pymp-*): put them in the run
         # folder, which goes with the launch (warm ranks reset this)
-        import tempfile
-
         tempfile.tempdir = os.environ[protocol.RUN_DIR]
     if warm:  # forked workers get /dev/null as stdin from multiprocessing: hand them the lifeline by number
         os.environ[protocol.LIFELINE] = str(os.dup(0))
-        _internals.start_zygote()  # first, while this process has one thread: the ranks are forked from it
+        # The fork server the ranks are forked from, started first, while this process has one thread (why:
+        # _internals): before hold_lifeline's thread and torchrun's, and so before patch_agent below. The
+        # fork server, and each rank forked from it, keep torch as the warm process imported it, unpatched:
+        # a rank's _wrap_and_leave finds torch's own _wrap there; patch_agent's changes stay in this agent.
+        _internals.start_fork_server()
     protocol.hold_lifeline(remove=os.environ.get(protocol.RUN_DIR) if agent == 0 else None)
     import torch.distributed.run as torchrun_module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if warm:
-        _internals.fork_workers(torchrun_module)
+        _internals.patch_agent(torchrun_module)
     try:
         torchrun_module.run(torchrun_module.parse_args(argv))
     except ChildFailedError as e:
@@ -58,7 +61,7 @@ def main(argv: list[str], warm: bool = False) -> int:
         return 1
     finally:
         if warm:
-            _internals.stop_zygote()
+            _internals.stop_fork_server()
     return 0
 
 

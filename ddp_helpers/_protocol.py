@@ -44,9 +44,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import stat
 import struct
+import threading
+import time
 
 # Environment variables the launcher sets for agents and workers.
 RUN_DIR = "DDP_HELPERS_RUN_DIR"  # the run folder
@@ -77,8 +81,6 @@ def agent_file(run_dir: str, agent: int, kind: str) -> str:
 
 def hold_lifeline(remove: str | None = None) -> None:
     """In an agent or worker: a daemon thread that kills this process group once the launcher is gone."""
-    import threading
-
     parent = int(os.environ.get(PARENT_PID, "0"))
     if parent:
         threading.Thread(
@@ -88,10 +90,6 @@ def hold_lifeline(remove: str | None = None) -> None:
 
 def _die_with_parent(parent_pid: int, remove: str | None = None) -> None:
     """Wait until the launcher is gone (even by SIGKILL), ``remove`` a folder, kill this process group."""
-    import shutil
-    import stat
-    import time
-
     fd = int(os.environ.get(LIFELINE, "-1"))
     try:
         lifeline = fd >= 0 and stat.S_ISFIFO(os.fstat(fd).st_mode)

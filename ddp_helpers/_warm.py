@@ -3,14 +3,15 @@
 Why: a cold launch starts three Python processes that each import torch (seconds each); forking from a
 process that already imported it costs milliseconds. The agent is torch's own: ``_agent.main(warm=True)``
 runs ``torch.distributed.run`` with the very flags a cold launch passes, only the workers are forked (from a
-single-threaded fork of the agent, ``_internals.start_zygote``) and run the worker wrapper as a function
-instead of as ``python -m``; the torch internals this takes are in ``_internals``, checked before the warm
-process says it is ready.
+single-threaded fork of the agent: the fork server, ``_internals.start_fork_server``) and run the worker
+wrapper as a function instead of as ``python -m``; the torch internals this takes, and the whole story of how
+a forked rank becomes a fresh one, are in ``_internals``, checked before the warm process says it is ready.
 
 The **warm process** (``python -u -m ddp_helpers._warm SOCKET``) imports torch and torchvision, touches
 neither CUDA nor threads of its own, listens on a Unix socket in a private folder, and exits when its
 stdin (a pipe the kernel holds) reaches end of file, i.e. when the kernel is gone. It prints ``ready``
-once it listens, or ``unsupported: ...`` (and exits) where this torch lacks an internal. Each launch
+once it listens, or ``unsupported: ...`` (and exits) where this torch lacks an internal; a warm process that
+says neither within ``TORCH_IMPORT_LIMIT`` seconds is killed, and launches run cold. Each launch
 connects, sends one request (JSON: the agent's argv, environment and folder) with three file descriptors
 (the launch's lifeline, the agent's stdout and stderr files), and receives ``{"pid": N}`` at once and
 ``{"exit": code}`` when the agent ends. The agent runs in a session of its own, like a cold one. A
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import os
 import select
+import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+from typing import IO
 
 from ddp_helpers import _protocol as protocol
 
@@ -40,6 +45,10 @@ COMMAND = [
     "-m",
     protocol.WARM_MODULE,
 ]
+
+# How long a new warm process may take to say "ready" (or "unsupported"): its import of torch and torchvision,
+# seconds here, a minute or two at worst from a network file system. Past it, the import is taken to hang.
+TORCH_IMPORT_LIMIT = 300.0
 
 # Variables torch and its libraries read when torch is imported (or when a library is loaded): a warm
 # process imported torch under the values it started with, so a launch that needs other values runs cold.
@@ -83,13 +92,14 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
 
 
 class WarmUnsupported(RuntimeError):
-    """This torch lacks an internal that warm launches need (``_internals``): launches run cold."""
+    """Warm launches cannot work in this kernel: launches run cold. This torch lacks an internal they need
+    (``_internals``), or the warm process did not get through its import of torch in time."""
 
 
 class WarmProcess:
     """The kernel's handle on its warm process: started on first use, ended with the kernel."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], ready_limit: float = TORCH_IMPORT_LIMIT):
         self.folder = tempfile.mkdtemp(prefix="ddp_helpers_warm_")  # 0700: only this user can connect
         self.address = os.path.join(self.folder, "warm.sock")
         self.env = dict(env)
@@ -105,7 +115,10 @@ class WarmProcess:
             start_new_session=True,
         )
         # "ready": torch imported, listening
-        line = self.proc.stdout.readline().decode(errors="replace").strip()
+        line = _first_line(self.proc.stdout, ready_limit)
+        if line is None:
+            self.close(grace=0)  # a hung import never reads its stdin: kill it now
+            raise WarmUnsupported(f"the warm process did not finish importing torch within {ready_limit:g} s")
         if line != "ready":
             self.close()
             if line.startswith("unsupported: "):
@@ -148,17 +161,34 @@ class WarmProcess:
             conn.close()
             raise
 
-    def close(self) -> None:
+    def close(self, grace: float = 10) -> None:
+        """End the warm process (end of file on its stdin; SIGKILL if it is still there after ``grace`` s)."""
         if self.proc.stdin:
             self.proc.stdin.close()  # the warm process exits at end of file
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        import shutil
-
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _first_line(pipe: IO[bytes], limit: float) -> str | None:
+    """The first line read from ``pipe`` (all of it, if it ends first), stripped; None if none came within
+    ``limit`` seconds."""
+    end = time.monotonic() + limit
+    data = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(pipe, selectors.EVENT_READ)
+        while b"\n" not in data:
+            left = end - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                return None
+            chunk = os.read(pipe.fileno(), 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.partition(b"\n")[0].decode(errors="replace").strip()
 
 
 class WarmAgent:
@@ -210,7 +240,8 @@ _unsupported: str | None = None  # what this torch lacks, once a warm process sa
 
 def warm_process(env: dict[str, str]) -> tuple[WarmProcess, str | None]:
     """This kernel's warm process, started (or restarted) as needed; and a note if it had to be restarted.
-    ``WarmUnsupported`` where this torch lacks an internal warm launches need (asked once per kernel)."""
+    ``WarmUnsupported`` where this torch lacks an internal warm launches need, or where the warm process did
+    not finish importing torch in time (either asked once per kernel)."""
     global _process, _unsupported
     with _lock:
         if _unsupported is not None:
@@ -267,9 +298,9 @@ def serve(address: str) -> None:
     if lacking:
         print(f"unsupported: this torch lacks {', '.join(lacking)}", flush=True)
         return
-    from ddp_helpers import _agent, _worker  # noqa: F401 -- imported once here, for every fork
+    from ddp_helpers import _agent  # noqa: F401 -- imported once here, for every fork
 
-    _worker.MAIN_PROCESS = _internals.MainProcess()
+    _internals.prepare_warm_process()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
@@ -288,8 +319,6 @@ def serve(address: str) -> None:
                 _handle(conn, listener, agents)
             _reap(agents)
     finally:  # the private folder and its socket go with this process, even when the kernel was killed
-        import shutil
-
         shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
@@ -352,8 +381,6 @@ def _become_agent(request: dict, fds: list[int], sockets: list[socket.socket]) -
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
     finally:
         sys.stdout.flush()

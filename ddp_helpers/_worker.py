@@ -3,7 +3,8 @@
 Torchrun has no way to give each *global* rank its own pair of log files, a stack dump on
 demand, or a link to the notebook kernel's lifetime, so this wrapper adds exactly those three
 things (and a process name, ``rank0 train``, that ``ps``, ``top`` and ``pgrep`` show), then runs
-the script unchanged as ``__main__``. It must not import torch.
+the script unchanged as ``__main__``. It must not import torch. A warm rank runs ``main`` as a function,
+once ``_internals.become_fresh_rank`` has made the fork what a fresh ``python`` would be.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import types
 
 from ddp_helpers import _protocol as protocol
 
-MAIN_PROCESS = (
-    None  # set by the warm process (_warm.serve): its _internals.MainProcess, restored in each rank
-)
 COMM_LENGTH = 15  # Linux keeps a process name of at most 15 bytes (TASK_COMM_LEN, with its NUL)
 
 
@@ -92,49 +90,6 @@ def name_process(name: str) -> None:
             f.write(name.encode()[:COMM_LENGTH])
     except OSError:
         pass
-
-
-def forked(*python_args: str) -> None:
-    """A worker forked by a warm agent: ``python_args`` is what torchrun would pass to ``python``."""
-    import atexit
-
-    args = list(python_args)
-    _like_a_fresh_process()
-    main(args[args.index("ddp_helpers._worker") + 1 :])
-    atexit._run_exitfuncs()  # what the interpreter does when a script ends; the fork then exits at once
-
-
-def _like_a_fresh_process() -> None:
-    """Undo what a fork inherits and a fresh ``python`` would not have: the agent's signal handlers, the
-    main-process identity, random seeds, and torch's thread count from OMP_NUM_THREADS (read at import)."""
-    import random
-    import signal
-
-    fresh = {
-        signal.SIGINT: signal.default_int_handler,
-        signal.SIGPIPE: signal.SIG_IGN,
-        signal.SIGXFSZ: signal.SIG_IGN,
-    }
-    for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
-        try:
-            signal.signal(sig, fresh.get(sig, signal.SIG_DFL))  # e.g. torchrun's SIGTERM handler in the agent
-        except (OSError, ValueError):
-            pass
-
-    import tempfile
-
-    tempfile.tempdir = None  # the agent's choice (its run folder); a fresh interpreter reads TMPDIR
-    if MAIN_PROCESS is not None:  # the warm process's own "MainProcess": what a fresh interpreter reports
-        MAIN_PROCESS.restore()
-    random.seed()  # a fresh interpreter seeds these from the OS, each process its own
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    import torch
-
-    torch.seed()
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -95,7 +95,7 @@ def config_from_args(args):  # what torchrun's config asks: torch.cuda (2.9-2.13
 
 real = torch.cuda.is_available
 torchrun_module = types.SimpleNamespace(config_from_args=config_from_args, elastic_launch=None)
-_internals.fork_workers(torchrun_module)
+_internals.patch_agent(torchrun_module)
 assert torchrun_module.config_from_args(None) == "config"
 assert torch.cuda.is_available is real, "the real function is back once the config is built"
 pid = os.fork()

@@ -1,12 +1,15 @@
 """The warm process: its socket's messages, both ends, without starting one (split and joined reads, a client
 that leaves mid-request, a bad request: each of these failed on the code before the one message module), and
-its guard on the torch internals warm launches need (a missing one is simulated)."""
+its guard on the torch internals warm launches need (a missing one is simulated), and its start's limit (a
+warm process that never says ready is simulated)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -138,4 +141,42 @@ def test_a_torch_without_an_internal_launches_cold_with_one_note(monkeypatch, ca
     assert launcher._warm_process(env) is None and launcher._warm_process(env) is None  # two launches: cold
     lacks = "this torch lacks torch.distributed.elastic.multiprocessing.api._wrap"
     note = f"ddp_helpers: warm launches are off ({lacks}): every launch starts a fresh torchrun\n"
+    assert capsys.readouterr().out == note
+
+
+def _processes_running(marker: str) -> list[str]:
+    """The pid of each live process whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(entry)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_warm_process_that_never_says_ready_is_killed_and_launches_run_cold(monkeypatch, capsys, tmp_path):
+    """A torch import that hangs must not hang the cell: past its limit, the warm process is killed, and this
+    launch and the next run cold, with one note and no second warm process."""
+    marker = f"never-ready-{os.getpid()}"
+    # stands in for serve() stuck in its import of torch: it says nothing and ignores its stdin's end
+    never_ready = f"import signal; signal.pause()  # {marker}"
+    monkeypatch.setattr(_warm, "COMMAND", [sys.executable, "-c", never_ready])
+    monkeypatch.setattr(_warm, "WarmProcess", functools.partial(_warm.WarmProcess, ready_limit=0.5))
+    monkeypatch.setattr(_warm, "_process", None)  # this kernel's real warm process is left alone
+    monkeypatch.setattr(_warm, "_unsupported", None)
+    monkeypatch.setattr(launcher, "_NOTED", set())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the warm process's folder goes
+    env = dict(os.environ)
+    assert launcher._warm_process(env) is None
+    assert _processes_running(marker) == [], "the warm process that never said ready is still there"
+    assert os.listdir(tmp_path) == [], "its folder is left behind"
+    monkeypatch.setattr(_warm, "WarmProcess", None)  # from now on, starting one would fail loudly
+    assert launcher._warm_process(env) is None  # the next launch: cold at once
+    note = (
+        "ddp_helpers: warm launches are off (the warm process did not finish importing torch within 0.5 s):"
+        " every launch starts a fresh torchrun\n"
+    )
     assert capsys.readouterr().out == note
