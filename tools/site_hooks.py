@@ -56,5 +56,6 @@ def toc_with_page_ids(fpath: str, toc_depth: int) -> tuple[list[dict], str | Non
     return tokens, title
 
 
-nb_toc_tokens = mkdocs_jupyter.plugin._get_nb_toc_tokens  # noqa: SLF001  (no public hook for a page's TOC)
-mkdocs_jupyter.plugin._get_nb_toc_tokens = toc_with_page_ids  # noqa: SLF001
+# mkdocs-jupyter has no public hook for a page's TOC: its private function is wrapped.
+nb_toc_tokens = mkdocs_jupyter.plugin._get_nb_toc_tokens
+mkdocs_jupyter.plugin._get_nb_toc_tokens = toc_with_page_ids

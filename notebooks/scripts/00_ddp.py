@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-epochs", type=int, default=3)

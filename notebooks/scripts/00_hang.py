@@ -1,6 +1,5 @@
 """00_hang.py: rank 1 skips a collective, so rank 0 waits for it forever."""
 import json
-import os
 import time
 
 import torch

@@ -69,7 +69,7 @@ def main() -> None:
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)  # momentum: a state of its own
     data = torch.Generator().manual_seed(100 + rank)  # each rank draws its own batches
-    for step in range(args.steps):
+    for _ in range(args.steps):
         x = torch.randn(16, 4, generator=data).to(device)
         y = torch.randint(0, 2, (16,), generator=data).to(device)
         loss = nn.functional.cross_entropy(ddp(x), y)

@@ -101,7 +101,7 @@ def evaluate(rank: int, world_size: int, device: torch.device) -> None:
     naive = (totals[0] / totals[1]).item()
     # Correct: gather (index, correct) pairs, keep one per index.
     pairs = [None] * world_size
-    dist.all_gather_object(pairs, list(zip(indices, correct.tolist())))
+    dist.all_gather_object(pairs, list(zip(indices, correct.tolist(), strict=True)))
     unique = dict(p for shard in pairs for p in shard)
     deduplicated = sum(unique.values()) / len(unique)
     # Also correct: one rank evaluates everything (fine when evaluation is cheap).

@@ -73,7 +73,7 @@ def grad_checksum(model: nn.Module) -> float:
 
 
 def max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
-    pairs = zip(a.parameters(), b.parameters())
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
     return max(((p.grad - q.grad) if grads else (p - q)).abs().max().item() for p, q in pairs)
 
 
@@ -147,7 +147,7 @@ def train_heads(ddp: DDP, rank: int, world_size: int, device: torch.device, step
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(steps):
         x, y = global_batch(step, world_size * batch, device)
-        outputs = dict(zip(heads, ddp(my_slice(x, rank, world_size), heads=heads)))
+        outputs = dict(zip(heads, ddp(my_slice(x, rank, world_size), heads=heads), strict=True))
         out = outputs[which(step)]  # the other head's output, if computed, is left out of the loss
         opt.zero_grad()
         F.mse_loss(out, my_slice(y, rank, world_size)).backward()
@@ -287,7 +287,8 @@ def case_accumulation(rank, world_size, device, args) -> dict:
             reference = copy.deepcopy(ddp.module)
             reference.zero_grad()
             w = args.windows - 1
-            xs, ys = zip(*(global_batch(100 * w + m, world_size * args.batch, device) for m in range(micro)))
+            batches = [global_batch(100 * w + m, world_size * args.batch, device) for m in range(micro)]
+            xs, ys = zip(*batches, strict=True)  # each batch an (x, y) pair
             F.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
             record["no_sync_grad_max_diff_vs_big_batch"] = max_diff(ddp.module, reference, grads=True)
         record[name]["buckets"] = hook["calls"] // (args.windows * (1 if use_no_sync else micro))
@@ -461,7 +462,7 @@ def case_join_state(rank, world_size, device, args) -> dict:
                 F.mse_loss(alone(my_slice(x, rank, world_size)), my_slice(y, rank, world_size)).backward()
                 opt.zero_grad()
                 F.mse_loss(ddp(my_slice(x, rank, world_size)), my_slice(y, rank, world_size)).backward()
-                pairs = list(zip(ddp.module.parameters(), alone.parameters()))
+                pairs = list(zip(ddp.module.parameters(), alone.parameters(), strict=True))
                 scales.append(sum((p.grad * q.grad).sum().item() for p, q in pairs)
                               / sum((q.grad * q.grad).sum().item() for _, q in pairs))
                 opt.step()

@@ -58,7 +58,7 @@ def measure_ddp(args, device: torch.device, gradient_as_bucket_view: bool) -> di
 
     ddp.register_comm_hook(None, see_bucket)
     seen = measure(ddp, args.width, device, buckets)
-    del ddp, model, buckets
+    del ddp, model
     gc.collect()  # free the DDP wrapper while the group exists (01)
     return seen
 

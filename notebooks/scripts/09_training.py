@@ -93,7 +93,8 @@ def case_checkpoint(rank: int, world_size: int, device: torch.device) -> None:
             report(rank, "checkpoint", variant=name, ok=False, error=str(err))
             continue
         grads = [p.grad.cpu() for p in ddp.module.parameters()]
-        matches = all(torch.allclose(g, r.grad, atol=1e-6) for g, r in zip(grads, reference.parameters()))
+        matches = all(torch.allclose(g, r.grad, atol=1e-6)
+                      for g, r in zip(grads, reference.parameters(), strict=True))
         checksum = sum(g.double().sum().item() for g in grads)
         report(rank, "checkpoint", variant=name, ok=True, matches_one_process=matches,
                checksums=gathered(checksum, device))
@@ -242,8 +243,8 @@ def case_flight_recorder(rank: int, world_size: int, device: torch.device, out: 
                 dist.barrier(group=group)  # BUG: rank 1 takes another path (say, an early save) at step 2
             else:
                 dist.all_reduce(value, group=group)
-    except RuntimeError as err:
-        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json  # what a dump at a timeout holds
+    except RuntimeError:
+        from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json  # what a timeout dumps
 
         with open(os.path.join(out, f"trace_rank_{rank}"), "wb") as f:  # the file NCCL's dump would write
             f.write(_dump_fr_trace())

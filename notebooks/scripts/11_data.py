@@ -10,7 +10,14 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, WeightedRandomSampler, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    WeightedRandomSampler,
+    get_worker_info,
+)
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.datasets import DatasetFolder
 
