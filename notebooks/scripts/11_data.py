@@ -229,6 +229,7 @@ def main() -> None:
     args = parser.parse_args()
     rank, local_rank, world_size, device = setup()
     CASES[args.case](rank, world_size, args)
+    dist.barrier()  # nobody leaves while a peer may still be connecting: most cases make no collective
     dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ def wrap(model: nn.Module, device: torch.device) -> DDP:
 def case_init(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, which torchrun sets
     report(dist.get_rank(), "init", world_size=dist.get_world_size())
+    dist.barrier()  # nobody leaves while a peer may still be connecting (gloo connects inside init)
 
 
 # ---- --case before-init: a torch.distributed call (here DDP's constructor) before init_process_group ----------
