@@ -29,9 +29,19 @@ from ddp_helpers import _protocol as protocol
 from ddp_helpers import _strict, _warm, diagnose, environment
 from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunError, TorchrunResult
 
-__all__ = ["DEFAULT_TIMEOUT", "JobFailedError", "JobHungError", "TorchrunError", "TorchrunResult", "torchrun"]
+__all__ = [
+    "LAUNCH_TIMEOUT",
+    "JobFailedError",
+    "JobHungError",
+    "LaunchOptions",
+    "TorchrunError",
+    "TorchrunResult",
+    "torchrun",
+]
 
-DEFAULT_TIMEOUT = 600.0  # wall-clock limit of a job unless the caller gives one (None: no limit)
+# A launch's wall-clock limit, from its start, unless the caller gives one (None: no limit).
+LAUNCH_TIMEOUT = 600.0
+DEFAULT_TIMEOUT = LAUNCH_TIMEOUT  # its former name, which notebook 10 reads
 POLL_INTERVAL = 0.05  # how often output files and processes are checked: short enough to feel live
 TERM_GRACE = 3.0  # after SIGTERM, seconds torchrun and the ranks get to flush logs and exit before SIGKILL
 # When one simulated node's agent fails, the other agents normally notice through the rendezvous and exit
@@ -51,7 +61,7 @@ def torchrun(
     *args: object,
     nproc_per_node: int = 1,
     nnodes: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
+    timeout: float | None = LAUNCH_TIMEOUT,
     stall_timeout: float | None = None,
     env: Mapping[str, object] | None = None,
     cwd: str | os.PathLike | None = None,
@@ -99,9 +109,7 @@ def torchrun(
         result = torchrun("scripts/00_hello.py", "--steps", "3", nproc_per_node=2, timeout=120)
         assert all(r["sum"] == 3 for r in result.records())
     """
-    job = _plan(
-        script=script,
-        args=args,
+    options = LaunchOptions(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         timeout=timeout,
@@ -115,6 +123,72 @@ def torchrun(
         grace=grace,
         warm=warm,
     )
+    return _run(_plan(script, args, options))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How to launch, as ``torchrun()`` takes it (its docstring says what each option means), checked as it is
+    built: bad input fails here, in teaching language, before any process starts. ``torchrun()``,
+    ``RankGroup``, ``%ranks start`` and ``python -m ddp_helpers`` each build one; ``sbatch()`` builds an
+    ``SbatchOptions``. Each option is kept in one form: seconds as floats, ``torchrun_args`` as a tuple,
+    ``env`` as strings (empty for None), ``cwd`` as an absolute folder, ``live`` as the set of ranks shown."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    timeout: float | None = LAUNCH_TIMEOUT
+    stall_timeout: float | None = None
+    env: Mapping[str, object] | None = None
+    cwd: str | os.PathLike | None = None
+    live: bool | Iterable[int] = True
+    backend: str | None = None
+    torchrun_args: Sequence[str] = ()
+    show_agent: bool = False
+    grace: float = TERM_GRACE
+    warm: bool = True
+
+    def __post_init__(self) -> None:
+        self._keep(
+            nproc_per_node=_check_count("nproc_per_node", self.nproc_per_node),
+            nnodes=_check_count("nnodes", self.nnodes),
+            timeout=_check_seconds("timeout", self.timeout),
+            stall_timeout=_check_seconds("stall_timeout", self.stall_timeout),
+            grace=_check_grace(self.grace),
+            torchrun_args=tuple(_check_flags(self.torchrun_args)),
+            env=_check_env(self.env),
+        )
+        for name in ("show_agent", "warm"):
+            _check_flag(name, getattr(self, name))
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"backend must be 'gloo', 'nccl' or None (let the script choose), not {self.backend!r}"
+            )
+        self._keep(cwd=_check_cwd(self.cwd))
+        self._keep(live=frozenset(_live_ranks(self.live, self.world_size)))
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def script_path(self, script: str | os.PathLike) -> tuple[str, str]:
+        """The script as a string and its path under ``cwd``; FileNotFoundError if it is missing."""
+        script = os.fspath(script)
+        path = os.path.join(self.cwd, script)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"script {script!r} not found (looked for {path}). Write it first "
+                f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
+            )
+        return script, path
+
+    def _keep(self, **checked: object) -> None:
+        """Keep each checked option in its one form (the dataclass is frozen once built)."""
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+
+def _run(job: _Job) -> TorchrunResult:
+    """Launch a planned job and follow it to its end: ``torchrun()`` once its options are built."""
     with _Launch(job) as launch:
         hang = launch.watch()
         # Where every rank was, as found: before anything is stopped.
@@ -128,54 +202,26 @@ def torchrun(
     return result
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class _Job:
     """Everything a launch needs, checked and computed before any process starts."""
 
+    options: LaunchOptions
     run_id: str  # a short random id: in the run folder's name, and torchrun's --rdzv-id with nnodes > 1
     script: str
     script_path: str
-    cwd: str
-    world_size: int
     agent_argvs: list[list[str]]  # torchrun's arguments, one list per simulated node
     plain_command: str  # what to type outside the notebook
     env: dict[str, str]
-    live: set[int]
-    show_agent: bool
-    timeout: float | None
-    stall_timeout: float | None
-    grace: float
-    warm: bool
+    warm: bool  # warm after the import-time check (``env=`` may turn a warm launch cold)
     gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
-def _plan(
-    *,
-    script: str | os.PathLike,
-    args: Sequence[object] = (),
-    nproc_per_node: int = 1,
-    nnodes: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    stall_timeout: float | None = None,
-    env: Mapping[str, object] | None = None,
-    cwd: str | os.PathLike | None = None,
-    live: bool | Iterable[int] = True,
-    backend: str | None = None,
-    torchrun_args: Sequence[str] = (),
-    show_agent: bool = False,
-    grace: float = TERM_GRACE,
-    warm: bool = True,
-) -> _Job:
-    """Check every argument (bad input fails here, before any process starts) and build the commands."""
-    nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
-    nnodes = _check_count("nnodes", nnodes)
-    timeout = _check_seconds("timeout", timeout)
-    stall_timeout = _check_seconds("stall_timeout", stall_timeout)
-    grace = _check_grace(grace)
-    torchrun_args = _check_flags(torchrun_args)
-    script, script_path, run_cwd = _check_job(script, cwd, env, backend, show_agent=show_agent, warm=warm)
-    world_size = nproc_per_node * nnodes
-    shown = _live_ranks(live, world_size)
+def _plan(script: str | os.PathLike, args: Sequence[object], options: LaunchOptions) -> _Job:
+    """Check the script and build the agents' commands and environment (bad input fails here, before any
+    process starts)."""
+    script, script_path = options.script_path(script)
+    world_size = options.world_size
     cores = os.cpu_count() or 1
     if world_size > cores:
         warnings.warn(
@@ -183,56 +229,49 @@ def _plan(
             f"for learning but slow, and timings will not mean much.",
             stacklevel=3,
         )
-    extra_env = {str(k): str(v) for k, v in (env or {}).items()}
-    import_time = _warm.import_time_env(extra_env)
-    warm_now = warm and not import_time
+    import_time = _warm.import_time_env(options.env)
+    warm_now = options.warm and not import_time
     child_env = {
         **os.environ,
-        **extra_env,
+        **options.env,
         "PYTHONUNBUFFERED": "1",
         protocol.PARENT_PID: str(os.getpid()),
         protocol.LIFELINE: "0",
     }
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-    pinned = _strict.gloo_pinned(backend, child_env, script_path)  # before a DDP_BACKEND the launch hands on
-    child_env.update(_backend_env(backend, nproc_per_node, child_env, warm_now))
+    # Before a DDP_BACKEND the launch hands on.
+    pinned = _strict.gloo_pinned(options.backend, child_env, script_path)
+    child_env.update(_backend_env(options.backend, options.nproc_per_node, child_env, warm_now))
 
     run_id = uuid.uuid4().hex[:12]
-    node_args = _node_args(nnodes, run_id)
+    node_args = _node_args(options.nnodes, run_id)
     script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
-    per_node = [f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd]
-    agent_argvs = [[*node, *per_node] for node in node_args]
+    per_node = [f"--nproc-per-node={options.nproc_per_node}", *options.torchrun_args, *script_cmd]
     # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
     plain = [
         "torchrun",
         *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
-        f"--nproc-per-node={nproc_per_node}",
-        *torchrun_args,
+        f"--nproc-per-node={options.nproc_per_node}",
+        *options.torchrun_args,
         script,
         *map(str, args),
     ]
-    if warm and import_time:
+    if options.warm and import_time:
         print(
             f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is "
             "imported: this launch starts a fresh torchrun (warm=False)",
             flush=True,
         )
     return _Job(
-        run_id,
-        script,
-        script_path,
-        run_cwd,
-        world_size,
-        agent_argvs,
-        shlex.join(plain),
-        child_env,
-        shown,
-        show_agent,
-        timeout,
-        stall_timeout,
-        grace,
-        warm_now,
-        pinned,
+        options=options,
+        run_id=run_id,
+        script=script,
+        script_path=script_path,
+        agent_argvs=[[*node, *per_node] for node in node_args],
+        plain_command=shlex.join(plain),
+        env=child_env,
+        warm=warm_now,
+        gloo_pinned=pinned,
     )
 
 
@@ -333,7 +372,7 @@ class _Launch:
     def __init__(self, job: _Job):
         self.job = job
         self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.run_id}_")
-        self.ranks = [_Rank(self.run_dir, r, r in job.live) for r in range(job.world_size)]
+        self.ranks = [_Rank(self.run_dir, r, r in job.options.live) for r in range(job.options.world_size)]
         self.agents = _Agents(job, self.run_dir)
         # The lifeline (see _protocol): every agent and rank dies with its write end.
         self.lifeline_r, self.lifeline_w = os.pipe()
@@ -370,7 +409,7 @@ class _Launch:
 
     def watch(self) -> Hang | None:
         """Stream output until every agent has exited; the ``Hang`` if the job hung first, else None."""
-        watch = diagnose.Watch(self.start, self.job.timeout, self.job.stall_timeout)
+        watch = diagnose.Watch(self.start, self.job.options.timeout, self.job.options.stall_timeout)
         first_failure = None
         while True:
             new_lines = self.poll()
@@ -401,7 +440,7 @@ class _Launch:
 
     def stop(self) -> None:
         """Stop every agent and every rank's process group (SIGTERM, the grace period, then SIGKILL)."""
-        self.agents.stop(self._worker_groups, self.job.grace)
+        self.agents.stop(self._worker_groups, self.job.options.grace)
 
     def collect(self) -> tuple[TorchrunResult, dict[int, diagnose.RankRecord]]:
         """The job's result, and each rank's record of how its last attempt ended."""
@@ -426,7 +465,7 @@ class _Launch:
         if left:
             groups = f"process group(s) {left}"
             return f"ddp_helpers: interrupted; still stopping {groups} (they die with their lifeline)"
-        ranks = f"all {self.job.world_size} rank(s) and their torchrun agent(s)"
+        ranks = f"all {self.job.options.world_size} rank(s) and their torchrun agent(s)"
         return f"ddp_helpers: interrupted; {ranks} were stopped, nothing is left running"
 
 
@@ -465,7 +504,7 @@ class _Agents:
         self.job, self.run_dir = job, run_dir
         count = len(job.agent_argvs)
         tags = ["torchrun"] if count == 1 else [f"torchrun node {i}" for i in range(count)]
-        shown = {"stdout": sys.stdout, "stderr": sys.stderr} if job.show_agent else {}
+        shown = {"stdout": sys.stdout, "stderr": sys.stderr} if job.options.show_agent else {}
         self.logs = [
             _Lines(protocol.agent_file(run_dir, i, kind), f"[{tag}] ", shown.get(kind))
             for i, tag in enumerate(tags)
@@ -474,7 +513,7 @@ class _Agents:
         self.procs: list[subprocess.Popen | _warm.WarmAgent] = []
 
     def start(self, lifeline: int) -> None:
-        job = self.job
+        job, cwd = self.job, self.job.options.cwd
         warm = _warm_process(_warm_env(job.env)) if job.warm else None
         for i, argv in enumerate(job.agent_argvs):
             with (
@@ -483,11 +522,11 @@ class _Agents:
             ):
                 env = {**job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
                 if warm is not None:
-                    agent = warm.start_agent(argv, env, job.cwd, (lifeline, out.fileno(), err.fileno()))
+                    agent = warm.start_agent(argv, env, cwd, (lifeline, out.fileno(), err.fileno()))
                 else:
                     command = [sys.executable, "-m", "ddp_helpers._agent", *argv]
                     files = {"stdin": lifeline, "stdout": out, "stderr": err}
-                    agent = subprocess.Popen(command, cwd=job.cwd, env=env, start_new_session=True, **files)
+                    agent = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True, **files)
                 self.procs.append(agent)
 
     def poll(self) -> list[int | None]:
@@ -669,32 +708,22 @@ class _Lines:
 # ---- small helpers -------------------------------------------------------------------------------------
 
 
-def _check_job(
-    script: str | os.PathLike,
-    cwd: str | os.PathLike | None,
-    env: object,
-    backend: object,
-    **flags: object,
-) -> tuple[str, str, str]:
-    """The checks torchrun() and sbatch() share; the script as given, its path and the run's folder."""
+def _check_env(env: object) -> dict[str, str]:
     if env is not None and not isinstance(env, Mapping):
         raise TypeError(f"env must be a dict of variables such as {{'NCCL_DEBUG': 'INFO'}}, not {env!r}")
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, not {flag!r}")
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
+    return {str(k): str(v) for k, v in (env or {}).items()}
+
+
+def _check_flag(name: str, flag: object) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be True or False, not {flag!r}")
+
+
+def _check_cwd(cwd: str | os.PathLike | None) -> str:
     run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(run_cwd):
         raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
-    script = os.fspath(script)
-    script_path = os.path.join(run_cwd, script)
-    if not os.path.isfile(script_path):
-        raise FileNotFoundError(
-            f"script {script!r} not found (looked for {script_path}). Write it first "
-            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
-        )
-    return script, script_path, run_cwd
+    return run_cwd
 
 
 def _check_count(name: str, value: object) -> int:

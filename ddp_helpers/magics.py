@@ -48,8 +48,8 @@ START.add_argument("--backend", choices=("gloo", "nccl"), help="default: as the 
 START.add_argument(
     "--timeout",
     type=_seconds,
-    default=launcher.DEFAULT_TIMEOUT,
-    help=f"seconds the start, and each cell by default, may take (default {launcher.DEFAULT_TIMEOUT:g})",
+    default=launcher.LAUNCH_TIMEOUT,
+    help=f"seconds the start, and each cell by default, may take (default {launcher.LAUNCH_TIMEOUT:g})",
 )
 START.add_argument("--stall-timeout", type=_seconds, help="each cell's default stall limit (default none)")
 START.add_argument("--env", type=_environment, action="append", default=[], help="NAME=VALUE for the ranks")
@@ -116,16 +116,16 @@ class RankMagics(Magics):
         if self.group is not None and not self.group.closed:
             print(f"ddp_helpers: stopping the running group of {self.group.world_size} rank(s) first")
             self._stop(quiet=True)
-        self.group = RankGroup(
-            args.nproc_per_node,
+        options = launcher.LaunchOptions(
+            nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,
             timeout=args.timeout,
             stall_timeout=args.stall_timeout,
             env=dict(args.env),
             backend=args.backend,
             warm=not args.cold,
-            restart=f"%ranks start {line}".strip(),
         )
+        self.group = RankGroup.from_options(options, restart=f"%ranks start {line}".strip())
         devices = ", ".join(sorted(set(self.group.devices.values())))
         print(
             f"ddp_helpers: {self.group.world_size} rank(s) ready ({self.group.backend}, {devices}); "

@@ -102,7 +102,7 @@ class RankGroup:
         nproc_per_node: int = 2,
         *,
         nnodes: int = 1,
-        timeout: float | None = launcher.DEFAULT_TIMEOUT,
+        timeout: float | None = launcher.LAUNCH_TIMEOUT,
         stall_timeout: float | None = None,
         env: Mapping[str, object] | None = None,
         cwd: str | os.PathLike | None = None,
@@ -114,8 +114,7 @@ class RankGroup:
         """Start the ranks and wait until each has joined the process group. The arguments are those of
         ``torchrun()``; ``timeout`` and ``stall_timeout`` are each cell's defaults too; ``restart`` says what
         starts a group again."""
-        self.job = launcher._plan(
-            script=_REPL,
+        options = launcher.LaunchOptions(
             nproc_per_node=nproc_per_node,
             nnodes=nnodes,
             timeout=timeout,
@@ -126,6 +125,20 @@ class RankGroup:
             grace=grace,
             warm=warm,
         )
+        self._start(launcher._plan(_REPL, (), options), restart)
+
+    @classmethod
+    def from_options(cls, options: launcher.LaunchOptions, restart: str = "RankGroup(...)") -> RankGroup:
+        """A group started from options built already (``%ranks start``), as ``RankGroup(...)`` starts one."""
+        __tracebackhide__ = True
+        group = cls.__new__(cls)
+        group._start(launcher._plan(_REPL, (), options), restart)
+        return group
+
+    def _start(self, job: launcher._Job, restart: str) -> None:
+        __tracebackhide__ = True
+        self.job = job
+        self.options = job.options
         self.restart = restart
         self.cells = 0  # cells sent so far; cell n is compiled as "<ranks cell n>"
         self.closed = False
@@ -137,7 +150,7 @@ class RankGroup:
             listener = self._stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
             self._stack.callback(self._close_connections)
             listener.bind(protocol.cells_socket(self.launch.run_dir))
-            listener.listen(self.job.world_size)
+            listener.listen(self.world_size)
             self.backend = self._wait_ready(listener)
         except BaseException as e:
             self._close(e)
@@ -146,7 +159,7 @@ class RankGroup:
 
     @property
     def world_size(self) -> int:
-        return self.job.world_size
+        return self.options.world_size
 
     def __enter__(self) -> RankGroup:
         return self
@@ -160,7 +173,7 @@ class RankGroup:
         """Accept each rank's connection and its ready message, showing the ranks' lines meanwhile, and return
         the backend; a rank that fails or a start that hangs ends the launch with the launcher's diagnosis."""
         __tracebackhide__ = True
-        watch = diagnose.Watch(self.launch.start, self.job.timeout, self.job.stall_timeout)
+        watch = diagnose.Watch(self.launch.start, self.options.timeout, self.options.stall_timeout)
         unknown: dict[socket.socket, protocol.MessageReader] = {}
         backends = set()
         while len(self.conns) < self.world_size:
@@ -216,9 +229,9 @@ class RankGroup:
         self._check_open()
         chosen = _check_ranks(ranks, self.world_size)
         timeout = launcher._check_seconds(
-            "timeout", self.job.timeout if timeout is GROUP_DEFAULT else timeout
+            "timeout", self.options.timeout if timeout is GROUP_DEFAULT else timeout
         )
-        stall = self.job.stall_timeout if stall_timeout is GROUP_DEFAULT else stall_timeout
+        stall = self.options.stall_timeout if stall_timeout is GROUP_DEFAULT else stall_timeout
         stall = launcher._check_seconds("stall_timeout", stall)
         max_bytes = _check_limit(max_bytes)
         self.cells += 1
@@ -317,7 +330,7 @@ class RankGroup:
                     os.kill(self.conns[r].pid, signal.SIGINT)
                 except ProcessLookupError:
                     pass
-        grace = self.job.grace
+        grace = self.options.grace
         try:
             if self._replies(chosen, replies, diagnose.Watch(time.monotonic(), grace, None)) is None:
                 return None

@@ -34,20 +34,19 @@ from ddp_helpers import _strict, diagnose
 from ddp_helpers.launcher import (
     _PACKAGE_PARENT,
     POLL_INTERVAL,
+    LaunchOptions,
     _check_count,
     _check_flags,
-    _check_job,
-    _check_seconds,
     _flush,
     _Lines,
-    _live_ranks,
     _Rank,
 )
 from ddp_helpers.outcome import Hang, TorchrunError, TorchrunResult
 
 __all__ = ["SlurmJob", "SlurmResult", "job_processes", "practice_cluster_missing", "sbatch"]
 
-DEFAULT_TIMEOUT = 600.0  # seconds the job may run once it started (its time in the queue does not count)
+JOB_RUN_TIMEOUT = 600.0  # seconds the job may run once it started (its time in the queue does not count)
+WAIT_LIMIT = 600.0  # wait_until's bound unless the caller gives one: a bound for failures only
 STATE_INTERVAL = 0.5  # how often scontrol is asked for the job's state while it runs
 # Once a job is cancelled, SLURM signals its processes (SIGTERM, then SIGKILL KillWait seconds later, 30 by
 # default) and lists it in squeue until they are gone: this only bounds a failure of SLURM itself.
@@ -77,7 +76,7 @@ def sbatch(
     *args: object,
     nodes: int = 2,
     nproc_per_node: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
+    timeout: float | None = JOB_RUN_TIMEOUT,
     stall_timeout: float | None = None,
     env: Mapping[str, object] | None = None,
     cwd: str | os.PathLike | None = None,
@@ -107,9 +106,7 @@ def sbatch(
     traceback, or ``JobHungError``; both are ``TorchrunError``. The job is cancelled on a timeout, a stall
     or an interrupt, and the call returns only once ``squeue`` no longer lists it; its run folder is removed.
     """
-    job = _plan(
-        script,
-        args,
+    options = SbatchOptions(
         nodes=nodes,
         nproc_per_node=nproc_per_node,
         timeout=timeout,
@@ -120,9 +117,11 @@ def sbatch(
         backend=backend,
         torchrun_args=torchrun_args,
         sbatch_args=sbatch_args,
+        show_script=show_script,
         show_agent=show_agent,
     )
-    if show_script:
+    job = _plan(script, args, options)
+    if options.show_script:
         print(f"ddp_helpers: the batch script, to save as {job.batch_name}:\n{job.shown_script}", flush=True)
         print(f"ddp_helpers: then type: {job.command}", flush=True)
     os.makedirs(job.run_dir)
@@ -149,89 +148,75 @@ class SlurmResult(TorchrunResult):
     batch_script: str = ""  # the batch script to copy (as shown)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class SbatchOptions(LaunchOptions):
+    """``sbatch()``'s options: those of ``LaunchOptions`` (``nnodes``, ``grace`` and ``warm`` are
+    ``torchrun()``'s and keep their defaults here), and the job's ``nodes``, ``sbatch_args`` and
+    ``show_script``. ``timeout`` counts from the moment SLURM runs the job."""
+
+    nodes: int = 2
+    timeout: float | None = JOB_RUN_TIMEOUT
+    sbatch_args: Sequence[str] = ()
+    show_script: bool = True
+
+    def __post_init__(self) -> None:
+        self._keep(nodes=_check_count("nodes", self.nodes))
+        super().__post_init__()
+        self._keep(sbatch_args=tuple(_check_flags(self.sbatch_args)))
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
 class _SlurmJob:
     """Everything an ``sbatch()`` launch needs, checked before anything is submitted."""
 
+    options: SbatchOptions
     script: str
     script_path: str
-    cwd: str
     run_dir: str
-    world_size: int
     batch_name: str
     shown_script: str
     submitted_script: str
     command: str
     sbatch_argv: list[str]
     env: dict[str, str]
-    live: set[int]
-    show_agent: bool
-    timeout: float | None
-    stall_timeout: float | None
     gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
-def _plan(
-    script: str | os.PathLike,
-    args: Sequence[object] = (),
-    *,
-    nodes: int = 2,
-    nproc_per_node: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    stall_timeout: float | None = None,
-    env: Mapping[str, object] | None = None,
-    cwd: str | os.PathLike | None = None,
-    live: bool | Iterable[int] = True,
-    backend: str | None = None,
-    torchrun_args: Sequence[str] = (),
-    sbatch_args: Sequence[str] = (),
-    show_agent: bool = False,
-) -> _SlurmJob:
-    """Check every argument (bad input fails here, before anything is submitted) and write the scripts."""
-    nodes = _check_count("nodes", nodes)
-    nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
-    timeout = _check_seconds("timeout", timeout)
-    stall_timeout = _check_seconds("stall_timeout", stall_timeout)
-    torchrun_args = _check_flags(torchrun_args)
-    sbatch_args = _check_flags(sbatch_args)
-    script, script_path, run_cwd = _check_job(script, cwd, env, backend, show_agent=show_agent)
+def _plan(script: str | os.PathLike, args: Sequence[object], options: SbatchOptions) -> _SlurmJob:
+    """Check the script and write the batch scripts (bad input fails here, before anything is submitted)."""
+    script, script_path = options.script_path(script)
     if shutil.which("sbatch") is None:
         raise FileNotFoundError(
             "sbatch is not on PATH: this machine is not a SLURM login node. Run sbatch() where `sbatch` "
             "works (on a cluster's login node), or torchrun() to run on this machine."
         )
-    world_size = nodes * nproc_per_node
-    shown = _live_ranks(live, world_size)
     stem = os.path.splitext(os.path.basename(script))[0]
-    run_dir = os.path.join(run_cwd, ".ddp_helpers", f"slurm-{stem}-{uuid.uuid4().hex[:12]}")
+    run_dir = os.path.join(options.cwd, ".ddp_helpers", f"slurm-{stem}-{uuid.uuid4().hex[:12]}")
     program = [script, *map(str, args)]
-    options = dict(nodes=nodes, nproc_per_node=nproc_per_node, timeout=timeout, torchrun_args=torchrun_args)
+    shape = dict(
+        nodes=options.nodes,
+        nproc_per_node=options.nproc_per_node,
+        timeout=options.timeout,
+        torchrun_args=options.torchrun_args,
+    )
     batch_name = f"{stem}.sbatch"
-    shown_script = batch_script(f"ddp-{stem}", program, **options)
-    submitted_script = batch_script(f"ddp-{stem}", program, run_dir=run_dir, **options)
-    command = shlex.join(["sbatch", *sbatch_args, batch_name])
-
-    job_env = job_environment({**(env or {}), **({"DDP_BACKEND": backend} if backend else {})})
-    given = {**os.environ, **{str(k): str(v) for k, v in (env or {}).items()}}
-    pinned = _strict.gloo_pinned(backend, given, script_path)
-    sbatch_argv = ["sbatch", "--parsable", *sbatch_args, os.path.join(run_dir, batch_name)]
+    backend = {"DDP_BACKEND": options.backend} if options.backend else {}
     return _SlurmJob(
-        script,
-        script_path,
-        run_cwd,
-        run_dir,
-        world_size,
-        batch_name,
-        shown_script,
-        submitted_script,
-        command,
-        sbatch_argv,
-        job_env,
-        shown,
-        show_agent,
-        timeout,
-        stall_timeout,
-        pinned,
+        options=options,
+        script=script,
+        script_path=script_path,
+        run_dir=run_dir,
+        batch_name=batch_name,
+        shown_script=batch_script(f"ddp-{stem}", program, **shape),
+        submitted_script=batch_script(f"ddp-{stem}", program, run_dir=run_dir, **shape),
+        command=shlex.join(["sbatch", *options.sbatch_args, batch_name]),
+        sbatch_argv=["sbatch", "--parsable", *options.sbatch_args, os.path.join(run_dir, batch_name)],
+        env=job_environment({**options.env, **backend}),
+        gloo_pinned=_strict.gloo_pinned(options.backend, {**os.environ, **options.env}, script_path),
     )
 
 
@@ -304,11 +289,12 @@ def batch_script(
 
 
 def _run(job: _SlurmJob) -> SlurmResult:
-    ranks = [_Rank(job.run_dir, r, r in job.live) for r in range(job.world_size)]
-    shown = sys.stderr if job.show_agent else None
+    options = job.options
+    ranks = [_Rank(job.run_dir, r, r in options.live) for r in range(options.world_size)]
+    shown = sys.stderr if options.show_agent else None
     hang: Hang | None = None
-    with SlurmJob.submit(job.sbatch_argv, cwd=job.cwd, env=job.env) as slurm:
-        print(f"ddp_helpers: submitted job {slurm.id} ({job.world_size} rank(s))", flush=True)
+    with SlurmJob.submit(job.sbatch_argv, cwd=options.cwd, env=job.env) as slurm:
+        print(f"ddp_helpers: submitted job {slurm.id} ({options.world_size} rank(s))", flush=True)
         watch: diagnose.Watch | None = None
         last_state, pending_said = 0.0, False
         while True:
@@ -325,7 +311,7 @@ def _run(job: _SlurmJob) -> SlurmResult:
                     print(f"ddp_helpers: job {slurm.id} waits in the queue ({slurm.reason})", flush=True)
                     pending_said = True
                 if watch is None and state not in ("PENDING", "CONFIGURING", None):  # it runs: count from now
-                    watch = diagnose.Watch(now, job.timeout, job.stall_timeout)
+                    watch = diagnose.Watch(now, options.timeout, options.stall_timeout)
             if watch is not None:
                 hang = watch.check(now, new_lines, all(r.printed for r in ranks))
                 if hang is not None:
@@ -452,7 +438,7 @@ def _slurm(
     return subprocess.run(argv, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT, env=env, cwd=cwd)
 
 
-def wait_until(condition: Callable[[], object], within: float = DEFAULT_TIMEOUT) -> object:
+def wait_until(condition: Callable[[], object], within: float = WAIT_LIMIT) -> object:
     """Poll ``condition`` until it returns something falsy or ``within`` seconds pass (a bound for failures
     only); its last answer."""
     end = time.monotonic() + within

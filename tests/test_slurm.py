@@ -119,21 +119,25 @@ def test_sbatch_checks_its_input_before_submitting(tmp_path: Path, monkeypatch):
 
     (tmp_path / "s.py").write_text("print('hi')\n")
     monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
-    job = slurm._plan("s.py", ("--n", 3), nodes=3, nproc_per_node=2, cwd=tmp_path, sbatch_args=["-p", "gpu"])
-    assert job.world_size == 6 and job.command == "sbatch -p gpu s.sbatch", job.command
+
+    def plan(script: str, args: tuple = (), **options: object):
+        return slurm._plan(script, args, slurm.SbatchOptions(**options))
+
+    job = plan("s.py", ("--n", 3), nodes=3, nproc_per_node=2, cwd=tmp_path, sbatch_args=["-p", "gpu"])
+    assert job.options.world_size == 6 and job.command == "sbatch -p gpu s.sbatch", job.command
     assert job.run_dir.startswith(str(tmp_path / ".ddp_helpers" / "slurm-s-")), job.run_dir
     assert job.sbatch_argv[-1] == os.path.join(job.run_dir, "s.sbatch") and "--parsable" in job.sbatch_argv
     assert job.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)  # the kernel's torchrun
     assert "DDP_HELPERS_PARENT_PID" not in job.env  # no lifeline across nodes: scancel and --time instead
     with pytest.raises(FileNotFoundError, match="not found"):
-        slurm._plan("missing.py", cwd=tmp_path)
+        plan("missing.py", cwd=tmp_path)
     with pytest.raises(ValueError, match="nodes must be at least 1"):
-        slurm._plan("s.py", nodes=0, cwd=tmp_path)
+        plan("s.py", nodes=0, cwd=tmp_path)
     with pytest.raises(TypeError, match="one string per flag"):
-        slurm._plan("s.py", cwd=tmp_path, sbatch_args="-p gpu")
+        plan("s.py", cwd=tmp_path, sbatch_args="-p gpu")
     monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
     with pytest.raises(FileNotFoundError, match="not a SLURM login node"):
-        slurm._plan("s.py", cwd=tmp_path)
+        plan("s.py", cwd=tmp_path)
 
 
 def test_a_hang_never_signals_a_pid_that_is_not_the_jobs_here(tmp_path: Path):
