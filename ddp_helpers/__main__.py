@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             warm=False,  # one launch: nothing to reuse
             live=True if ns.live_ranks is None else ns.live_ranks,
         )
-        launcher._run(launcher._plan(ns.script, ns.args, options))
+        launcher.run_launch(launcher.plan_launch(ns.script, ns.args, options))
     except TorchrunError as e:
         print(f"ddp_helpers: {e}", file=sys.stderr)
         return 1

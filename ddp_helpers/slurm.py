@@ -31,16 +31,17 @@ from dataclasses import dataclass, field
 
 from ddp_helpers import _protocol as protocol
 from ddp_helpers import _strict, diagnose
-from ddp_helpers.launcher import (
-    _PACKAGE_PARENT,
-    POLL_INTERVAL,
-    LaunchOptions,
-    _check_count,
-    _check_flags,
-    _flush,
-    _Lines,
-    _Rank,
+from ddp_helpers._procs import live_processes
+from ddp_helpers._run_folder import (
+    LineFollower,
+    Progress,
+    RankFiles,
+    dump_stacks,
+    flush_output,
+    follow,
+    read_failure_records,
 )
+from ddp_helpers.launcher import PACKAGE_PARENT, LaunchOptions, check_count, check_flags
 from ddp_helpers.outcome import Hang, TorchrunError, TorchrunResult
 
 __all__ = ["SlurmJob", "SlurmResult", "job_processes", "practice_cluster_missing", "sbatch"]
@@ -160,9 +161,9 @@ class SbatchOptions(LaunchOptions):
     show_script: bool = True
 
     def __post_init__(self) -> None:
-        self._keep(nodes=_check_count("nodes", self.nodes))
+        self._keep(nodes=check_count("nodes", self.nodes))
         super().__post_init__()
-        self._keep(sbatch_args=tuple(_check_flags(self.sbatch_args)))
+        self._keep(sbatch_args=tuple(check_flags(self.sbatch_args)))
 
     @property
     def world_size(self) -> int:
@@ -228,7 +229,7 @@ def job_environment(env: Mapping[str, object] | None = None) -> dict[str, str]:
     job_env.update({str(k): str(v) for k, v in (env or {}).items()})
     python_dir = os.path.dirname(sys.executable)
     job_env["PATH"] = os.pathsep.join(p for p in (python_dir, job_env.get("PATH")) if p)
-    job_env["PYTHONPATH"] = os.pathsep.join(p for p in (job_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
+    job_env["PYTHONPATH"] = os.pathsep.join(p for p in (job_env.get("PYTHONPATH"), PACKAGE_PARENT) if p)
     job_env["PYTHONUNBUFFERED"] = "1"
     return job_env
 
@@ -289,50 +290,85 @@ def batch_script(
 
 
 def _run(job: _SlurmJob) -> SlurmResult:
+    """Submit the planned job and follow it to its end, as ``torchrun()`` follows a launch."""
     options = job.options
-    ranks = [_Rank(job.run_dir, r, r in options.live) for r in range(options.world_size)]
-    shown = sys.stderr if options.show_agent else None
-    hang: Hang | None = None
+    ranks = [RankFiles(job.run_dir, r, r in options.live) for r in range(options.world_size)]
     with SlurmJob.submit(job.sbatch_argv, cwd=options.cwd, env=job.env) as slurm:
         print(f"ddp_helpers: submitted job {slurm.id} ({options.world_size} rank(s))", flush=True)
-        watch: diagnose.Watch | None = None
-        last_state, pending_said = 0.0, False
-        while True:
+        clock = _JobClock(slurm, options)
+
+        def look() -> Progress:
             new_lines = any([r.poll() for r in ranks])
             if new_lines:
-                _flush()
-            now = time.monotonic()
-            if now - last_state > STATE_INTERVAL:
-                last_state = now
-                state = slurm.poll()
-                if state in ENDED:
-                    break
-                if state == "PENDING" and slurm.reason not in (None, "None") and not pending_said:
-                    print(f"ddp_helpers: job {slurm.id} waits in the queue ({slurm.reason})", flush=True)
-                    pending_said = True
-                if watch is None and state not in ("PENDING", "CONFIGURING", None):  # it runs: count from now
-                    watch = diagnose.Watch(now, options.timeout, options.stall_timeout)
-            if watch is not None:
-                hang = watch.check(now, new_lines, all(r.printed for r in ranks))
-                if hang is not None:
-                    break
-            time.sleep(POLL_INTERVAL)
+                flush_output()
+            return Progress(new_lines, clock.ended(time.monotonic()), all(r.printed for r in ranks))
+
+        hang = follow(look, clock)
         hung = _hung_ranks(ranks, slurm) if hang else []
         if hang:
             slurm.cancel()
         slurm.wait_gone()
     for rank in ranks:
         rank.finish()
-    agents = [
-        _Lines(protocol.agent_file(job.run_dir, i, kind), f"[torchrun node {i}] ", shown)
+    result, records = _result(job, slurm, ranks)
+    if hang:
+        _strict.raise_checked(
+            _cancelled(diagnose.hang_error(result, hang, hung, job.script_path), slurm.id), job.gloo_pinned
+        )
+    if slurm.state != "COMPLETED":
+        error = diagnose.failure_error(result, records)
+        if error.rank is None:
+            error = type(error)(f"job {slurm.id} ended {slurm.state} ({slurm.exit_code}); {error}", result)
+        _strict.raise_checked(error, job.gloo_pinned)
+    print(f"ddp_helpers: job {slurm.id} {slurm.state}; squeue no longer lists it", flush=True)
+    return result
+
+
+class _JobClock:
+    """The job's state, asked of scontrol every ``STATE_INTERVAL``, and ``diagnose.Watch`` from the moment
+    SLURM runs the job: its time in the queue never counts toward a timeout or a stall."""
+
+    def __init__(self, slurm: SlurmJob, options: SbatchOptions):
+        self.slurm, self.options = slurm, options
+        self.watch: diagnose.Watch | None = None
+        self.last_asked, self.said_pending = 0.0, False
+
+    def ended(self, now: float) -> bool:
+        """Whether the job has ended; on the way, say once why it waits in the queue, and start the Watch
+        once it runs."""
+        if now - self.last_asked <= STATE_INTERVAL:
+            return False
+        self.last_asked = now
+        state = self.slurm.poll()
+        if state in ENDED:
+            return True
+        if state == "PENDING" and self.slurm.reason not in (None, "None") and not self.said_pending:
+            print(f"ddp_helpers: job {self.slurm.id} waits in the queue ({self.slurm.reason})", flush=True)
+            self.said_pending = True
+        # It runs: count from now.
+        if self.watch is None and state not in ("PENDING", "CONFIGURING", None):
+            self.watch = diagnose.Watch(now, self.options.timeout, self.options.stall_timeout)
+        return False
+
+    def check(self, now: float, new_lines: bool, every_rank_printed: bool) -> Hang | None:
+        """The ``Hang`` once the job, since it started to run, has passed its timeout or stalled."""
+        return None if self.watch is None else self.watch.check(now, new_lines, every_rank_printed)
+
+
+def _result(
+    job: _SlurmJob, slurm: SlurmJob, ranks: Sequence[RankFiles]
+) -> tuple[SlurmResult, dict[int, diagnose.RankRecord]]:
+    """The ended job's result, with the agents' and the batch script's own lines, and each rank's record."""
+    echo_to = sys.stderr if job.options.show_agent else None
+    logs = [
+        LineFollower(protocol.agent_file(job.run_dir, i, kind), f"[torchrun node {i}] ", echo_to)
         for i in range(len(slurm.node_list))
         for kind in ("stdout", "stderr")
     ]
-    batch = _Lines(os.path.join(job.run_dir, "batch.out"), "[batch] ", shown)
-    for log in (*agents, batch):
+    logs.append(LineFollower(os.path.join(job.run_dir, "batch.out"), "[batch] ", echo_to))
+    for log in logs:
         log.finish()
-    agent_output = [line for log in (*agents, batch) for line in log.lines]
-    failures = _failures(job.run_dir, len(slurm.node_list))
+    failures = read_failure_records(job.run_dir, len(slurm.node_list))
     ok = slurm.state == "COMPLETED"
     records = {r.rank: r.record(failure=failures.get(r.rank), agents_ok=ok) for r in ranks}
     result = SlurmResult(
@@ -342,24 +378,14 @@ def _run(job: _SlurmJob) -> SlurmResult:
         {r.rank: r.stdout.lines for r in ranks},
         {r.rank: r.stderr.lines for r in ranks},
         {r: record.exitcode for r, record in records.items()},
-        agent_output,
+        [line for log in logs for line in log.lines],
         job_id=slurm.id,
         state=slurm.state or "",
         exit_code=slurm.exit_code or "",
         nodes=slurm.node_list,
         batch_script=job.shown_script,
     )
-    if hang:
-        _strict.raise_checked(
-            _cancelled(diagnose.hang_error(result, hang, hung, job.script_path), slurm.id), job.gloo_pinned
-        )
-    if not ok:
-        error = diagnose.failure_error(result, records)
-        if error.rank is None:
-            error = type(error)(f"job {slurm.id} ended {slurm.state} ({slurm.exit_code}); {error}", result)
-        _strict.raise_checked(error, job.gloo_pinned)
-    print(f"ddp_helpers: job {slurm.id} {slurm.state}; squeue no longer lists it", flush=True)
-    return result
+    return result, records
 
 
 def _cancelled(error: TorchrunError, job_id: str) -> TorchrunError:
@@ -367,42 +393,26 @@ def _cancelled(error: TorchrunError, job_id: str) -> TorchrunError:
     return error
 
 
-def _hung_ranks(ranks: Sequence[_Rank], slurm: SlurmJob) -> list[diagnose.RankRecord]:
+def _hung_ranks(ranks: Sequence[RankFiles], slurm: SlurmJob) -> list[diagnose.RankRecord]:
     """Every rank's record for a hang, with a stack dump from each rank whose process this machine sees (on
     the practice cluster, all; on a real cluster the ranks run on other machines, and none come back)."""
-    from ddp_helpers.launcher import _dump_stacks
-
     for rank in ranks:
         rank.poll()
         rank.stderr.mute()
     here = set(job_processes(slurm.id))  # a pid from another machine must never be signalled here
     signalled = [r if r.pid() in here else _Elsewhere(r) for r in ranks]
-    stacks = _dump_stacks(signalled, lambda: any([r.poll() for r in ranks]))
+    stacks = dump_stacks(signalled, lambda: any([r.poll() for r in ranks]))
     return [rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in ranks]
 
 
 class _Elsewhere:
     """A rank whose process runs on another machine: no pid to signal from here."""
 
-    def __init__(self, rank: _Rank):
+    def __init__(self, rank: RankFiles):
         self.rank, self.stderr = rank.rank, rank.stderr
 
     def pid(self) -> None:
         return None
-
-
-def _failures(run_dir: str, count: int) -> dict[int, dict]:
-    """Torch's failure records that the agents wrote, by global rank."""
-    import json
-
-    failures: dict[int, dict] = {}
-    for i in range(count):
-        try:
-            with open(protocol.agent_file(run_dir, i, "failures"), encoding="utf-8") as f:
-                failures.update({int(k): v for k, v in json.load(f).items()})
-        except (FileNotFoundError, ValueError):
-            pass
-    return failures
 
 
 # ---- SLURM's side: a job, its state, its processes -------------------------------------------------------
@@ -557,21 +567,11 @@ class SlurmJob:
 def job_processes(job_id: str) -> dict[int, tuple[str, dict[str, str]]]:
     """pid: (command line, environment) of each live process of the job on this machine (its slurmstepd, the
     batch shell, srun, every torchrun agent and rank), read from /proc as ps does. On a login node: none."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":  # a zombie has ended already
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
-        except (OSError, IndexError):  # it ended meanwhile, or is not ours to read
-            continue
-        if env.get("SLURM_JOB_ID") == job_id or cmdline.startswith(f"slurmstepd: [{job_id}."):
-            found[int(pid)] = (cmdline, env)
-    return found
+    return {
+        p.pid: (p.cmdline, p.env)
+        for p in live_processes()
+        if p.env.get("SLURM_JOB_ID") == job_id or p.cmdline.startswith(f"slurmstepd: [{job_id}.")
+    }
 
 
 def practice_cluster_missing(conf: str | None = None) -> str | None:

@@ -58,7 +58,7 @@ HANG = """
 
 def _plan(script: str, **options: object):
     """A launch planned as torchrun() plans it, without starting it."""
-    return launcher._plan(script, (), launcher.LaunchOptions(**options))
+    return launcher.plan_launch(script, (), launcher.LaunchOptions(**options))
 
 
 def test_records_lines_and_exit_codes(script, capsys):
@@ -253,9 +253,10 @@ def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
     """The launcher's one object per rank: stdout and stderr in whole lines, the status file parsed into
     events, each read from where the last look ended (a half-written line waits for its end). No process."""
     from ddp_helpers import _protocol as protocol
+    from ddp_helpers._run_folder import RankFiles
 
-    rank = launcher._Rank(str(tmp_path), 1, live=False)
-    assert not rank.poll() and rank.pid() is None and not rank.printed and rank.groups() == set()
+    rank = RankFiles(str(tmp_path), 1, live=False)
+    assert not rank.poll() and rank.pid() is None and not rank.printed and rank.pgids() == set()
     status, stdout = (Path(protocol.rank_file(str(tmp_path), 1, kind)) for kind in ("status", "stdout"))
     start = json.dumps({"event": "start", "pid": 42, "pgid": 40, "time": 1.0}) + "\n"
     status.write_text(start[:20])  # the worker wrapper is still writing the line
@@ -269,7 +270,7 @@ def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
         f.write(json.dumps({"event": "exit", "code": 0, "time": 3.0}) + "\n")
     with stdout.open("a") as f:
         f.write("ond, no newline")
-    assert rank.groups() == {40, 50} and rank.pid() == 52
+    assert rank.pgids() == {40, 50} and rank.pid() == 52
     rank.finish()
     assert rank.stdout.lines == ["first", "second, no newline"] and rank.stderr.lines == []
     assert not rank.poll() and len(rank.events) == 3, "each event parsed once, also after the files are done"
@@ -580,7 +581,7 @@ def test_cli_failure_exit_code_and_message(script, tmp_path, monkeypatch, capsys
             "timed out after 5 s; stuck: rank 0", done, hang=Hang("timeout", 5), stuck_ranks=[0], stacks={}
         ),
     ):
-        monkeypatch.setattr(launcher, "_run", raising(error))
+        monkeypatch.setattr(launcher, "run_launch", raising(error))
         assert cli.main(["--timeout", "5", str(path), "--x", "1"]) == 1
         assert f"ddp_helpers: {error}" in capsys.readouterr().err
     assert (

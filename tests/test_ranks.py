@@ -15,6 +15,7 @@ from ddp_test_support import clocks_start_when, in_native_call, in_python_call, 
 
 from ddp_helpers import CellError, JobFailedError, JobHungError, _repl, launcher
 from ddp_helpers import ranks as ranks_module
+from ddp_helpers._run_folder import LineFollower
 from ddp_helpers.outcome import Hang
 from tests.interrupt_guard import interrupt_this_process
 
@@ -140,7 +141,7 @@ def test_an_interrupt_takes_effect_only_where_a_cell_waits_for_a_message(kernel_
 
 def test_lines_without_a_newline_end_with_the_cell(tmp_path):
     path = tmp_path / "rank0.stdout"
-    lines = launcher._Lines(str(path))
+    lines = LineFollower(str(path))
     path.write_bytes(b"one\ntwo, no newline yet")
     assert lines.poll() == ["one"] and lines.end_line() == ["two, no newline yet"]
     with path.open("ab") as f:
