@@ -417,6 +417,31 @@ def test_no_module_of_the_package_uses_a_private_name_of_another():
     assert not found, f"give these a public name in their module: {found}"
 
 
+def test_the_launch_options_are_listed_in_one_place():
+    """Only the taught signatures spell out the launch options (the IDE completion a reader sees); everything
+    else takes one ``LaunchOptions``, so a new option is added in the dataclass and those three functions."""
+    import dataclasses
+
+    from ddp_helpers.launcher import LaunchOptions
+
+    options = {field.name for field in dataclasses.fields(LaunchOptions)}
+    spelled = []
+
+    def visit(node: ast.AST, prefix: str, path: Path) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = child.args.posonlyargs + child.args.args + child.args.kwonlyargs
+                if len({a.arg for a in arguments} & options) >= 6:
+                    spelled.append(f"{path.stem}.{prefix}{child.name}")
+                visit(child, f"{prefix}{child.name}.", path)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", path)
+
+    for path in sorted((REPO / "ddp_helpers").glob("*.py")):
+        visit(ast.parse(path.read_text()), "", path)
+    assert sorted(spelled) == ["launcher.torchrun", "ranks.RankGroup.__init__", "slurm.sbatch"], spelled
+
+
 # Its two safety nets (300 s for the checks, 900 s for notebook 03 under nbmake) add up past the suite's
 # 600 s: pytest-timeout sits above them, so that a failure shows which run ran out and what it printed.
 @pytest.mark.timeout(1320)
