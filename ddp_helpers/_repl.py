@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import ctypes
 import gc
 import io
 import linecache
@@ -185,8 +186,6 @@ def _flush_output() -> None:
         except (OSError, ValueError):
             pass
     try:
-        import ctypes
-
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):  # no C library to ask (not Linux or macOS)
         pass

@@ -23,10 +23,8 @@ _DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
 _NN_PARALLEL = f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}"
 _AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
 _OWN = f"{os.sep}ddp_helpers{os.sep}"
-_POINT_TO_POINT = {
-    "send": "recv",
-    "recv": "send",
-}  # blocking point-to-point calls, each with the one it waits for
+# Blocking point-to-point calls, each with the one it waits for.
+_POINT_TO_POINT = {"send": "recv", "recv": "send"}
 # DDP starts its gradient all-reduce from C++ inside autograd, so a rank waiting for it shows only backward().
 BACKWARD = "backward (DDP's gradient all-reduce runs inside it)"
 

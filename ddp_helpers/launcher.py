@@ -213,7 +213,6 @@ class LaunchPlan:
 
     options: LaunchOptions
     run_id: str  # a short random id: in the run folder's name, and torchrun's --rdzv-id with nnodes > 1
-    script: str
     script_path: str
     agent_argvs: list[list[str]]  # torchrun's arguments, one list per simulated node
     plain_command: str  # what to type outside the notebook
@@ -270,7 +269,6 @@ def plan_launch(script: str | os.PathLike, args: Sequence[object], options: Laun
     return LaunchPlan(
         options=options,
         run_id=run_id,
-        script=script,
         script_path=script_path,
         agent_argvs=[[*node, *per_node] for node in node_args],
         plain_command=shlex.join(plain),

@@ -141,6 +141,8 @@ class RankGroup:
         self.options = job.options
         self.restart = restart
         self.cells = 0  # cells sent so far; cell n is compiled as "<ranks cell n>"
+        # Whether the last cell sent ends with an expression (``%%ranks`` then shows the values).
+        self.cell_has_value = False
         self.closed = False
         self.conns: dict[int, _Connection] = {}
         self._interrupt_point = _SafeInterrupt()  # where a cell's interrupt may land (``run``)
@@ -251,7 +253,8 @@ class RankGroup:
         max_bytes = _check_limit(max_bytes)
         self.cells += 1
         filename = f"{_repl.CELL_PREFIX}{self.cells}>"
-        _repl.split_cell(code, filename)  # a SyntaxError stops here, before any rank sees the cell
+        # Compiled here only to check it: a SyntaxError stops here, before any rank sees the cell.
+        self.cell_has_value = _repl.split_cell(code, filename).last is not None
         for rank in self.launch.ranks:
             rank.show(True)  # to where this cell's output goes
         message = {"cell": self.cells, "code": code, "filename": filename, "max_bytes": max_bytes}

@@ -175,7 +175,6 @@ class _SlurmJob:
     """Everything an ``sbatch()`` launch needs, checked before anything is submitted."""
 
     options: SbatchOptions
-    script: str
     script_path: str
     run_dir: str
     batch_name: str
@@ -208,7 +207,6 @@ def _plan(script: str | os.PathLike, args: Sequence[object], options: SbatchOpti
     backend = {"DDP_BACKEND": options.backend} if options.backend else {}
     return _SlurmJob(
         options=options,
-        script=script,
         script_path=script_path,
         run_dir=run_dir,
         batch_name=batch_name,
@@ -257,9 +255,8 @@ def batch_script(
         "#SBATCH --ntasks-per-node=1",
     ]
     if timeout is not None:
-        lines.append(
-            f"#SBATCH --time={math.ceil(timeout / 60) + 1}"
-        )  # a minute after ours: SLURM's own bound
+        # A minute after ours: SLURM's own bound.
+        lines.append(f"#SBATCH --time={math.ceil(timeout / 60) + 1}")
     if run_dir is not None:
         lines.append(f"#SBATCH --output={os.path.join(run_dir, 'batch.out')}")
     lines += [
@@ -470,7 +467,7 @@ class SlurmJob:
         self.exit_code: str | None = None
         self.reason: str | None = None
         self.node_list: list[str] = []
-        self.shown: dict[str, str] = {}
+        self.shown: dict[str, str] = {}  # scontrol's fields at the last look that found the job
         self.start = time.monotonic()
         self.duration = 0.0
 
