@@ -124,8 +124,9 @@ class RankFiles:
         self._parse(self._status.poll())
         return {e["pgid"] for e in self.events if e["event"] == "start"}
 
-    def record(self, **evidence: object) -> diagnose.RankRecord:
-        return diagnose.rank_record(self.rank, self.events, **evidence)
+    def evidence(self, **found: object) -> diagnose.RankEvidence:
+        """What the status file says of the rank's last attempt, with what was ``found`` besides."""
+        return diagnose.rank_evidence(self.rank, self.events, **found)
 
     def _parse(self, lines: list[str]) -> None:
         for line in lines:

@@ -199,11 +199,11 @@ def run_launch(job: LaunchPlan) -> TorchrunResult:
         # Where every rank was, as found: before anything is stopped.
         hung = launch.hung_ranks() if hang else []
         launch.stop()
-        result, records = launch.collect()
+        result, evidence = launch.collect()
     if hang:
         _strict.raise_checked(diagnose.hang_error(result, hang, hung, job.script_path), job.gloo_pinned)
     if result.returncode != 0:
-        _strict.raise_checked(diagnose.failure_error(result, records), job.gloo_pinned)
+        _strict.raise_checked(diagnose.failure_error(result, evidence), job.gloo_pinned)
     return result
 
 
@@ -217,7 +217,7 @@ class LaunchPlan:
     agent_argvs: list[list[str]]  # torchrun's arguments, one list per simulated node
     plain_command: str  # what to type outside the notebook
     env: dict[str, str]
-    warm: bool  # warm after the import-time check (``env=`` may turn a warm launch cold)
+    warm_now: bool  # warm after the import-time check (``env=`` may turn a warm launch cold)
     gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
@@ -273,7 +273,7 @@ def plan_launch(script: str | os.PathLike, args: Sequence[object], options: Laun
         agent_argvs=[[*node, *per_node] for node in node_args],
         plain_command=shlex.join(plain),
         env=child_env,
-        warm=warm_now,
+        warm_now=warm_now,
         gloo_pinned=pinned,
     )
 
@@ -442,35 +442,36 @@ class Launch:
             time.sleep(POLL_INTERVAL)
         self.poll()
 
-    def hung_ranks(self) -> list[diagnose.RankRecord]:
-        """Every rank's record for a hang, with a faulthandler dump of all its threads from each live rank."""
+    def hung_ranks(self) -> list[diagnose.RankEvidence]:
+        """Every rank's evidence for a hang, with a faulthandler dump of every thread of each live rank."""
         self.poll()
         # The dumps go to the error's .stacks, not the cell: the diagnosis comes first.
         for rank in self.ranks:
             rank.stderr.mute()
         stacks = dump_stacks(self.ranks, self.poll)
         return [
-            rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in self.ranks
+            rank.evidence(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None)
+            for rank in self.ranks
         ]
 
     def stop(self) -> None:
         """Stop every agent and every rank's process group (SIGTERM, the grace period, then SIGKILL)."""
         self.agents.stop(self._rank_pgids, self.job.options.grace)
 
-    def collect(self) -> tuple[TorchrunResult, dict[int, diagnose.RankRecord]]:
-        """The job's result, and each rank's record of how its last attempt ended."""
+    def collect(self) -> tuple[TorchrunResult, dict[int, diagnose.RankEvidence]]:
+        """The job's result, and each rank's evidence of how its last attempt ended."""
         for rank in self.ranks:
             rank.finish()
         agent_output = self.agents.finish()
         flush_output()
         failures = read_failure_records(self.run_dir, len(self.agents.procs))
         ok = all(a.returncode == 0 for a in self.agents.procs)
-        records = {r.rank: r.record(failure=failures.get(r.rank), agents_ok=ok) for r in self.ranks}
+        evidence = {r.rank: r.evidence(failure=failures.get(r.rank), agents_ok=ok) for r in self.ranks}
         out, err = ({r.rank: getattr(r, kind).lines for r in self.ranks} for kind in ("stdout", "stderr"))
-        codes = {r: record.exitcode for r, record in records.items()}
+        codes = {r: e.exitcode for r, e in evidence.items()}
         duration = time.monotonic() - self.start
         rc = self.agents.returncode()
-        return TorchrunResult(self.job.plain_command, rc, duration, out, err, codes, agent_output), records
+        return TorchrunResult(self.job.plain_command, rc, duration, out, err, codes, agent_output), evidence
 
     def _rank_pgids(self) -> set[int]:
         return {pgid for rank in self.ranks for pgid in rank.pgids()}
@@ -493,9 +494,9 @@ class _Agents:
         self.job, self.run_dir = job, run_dir
         count = len(job.agent_argvs)
         tags = ["torchrun"] if count == 1 else [f"torchrun node {i}" for i in range(count)]
-        shown = {"stdout": sys.stdout, "stderr": sys.stderr} if job.options.show_agent else {}
+        echo_to = {"stdout": sys.stdout, "stderr": sys.stderr} if job.options.show_agent else {}
         self.logs = [
-            LineFollower(protocol.agent_file(run_dir, i, kind), f"[{tag}] ", shown.get(kind))
+            LineFollower(protocol.agent_file(run_dir, i, kind), f"[{tag}] ", echo_to.get(kind))
             for i, tag in enumerate(tags)
             for kind in ("stdout", "stderr")
         ]
@@ -503,15 +504,15 @@ class _Agents:
 
     def start(self, lifeline: int) -> None:
         job, cwd = self.job, self.job.options.cwd
-        warm = _warm_process(_warm_env(job.env)) if job.warm else None
+        warm_process = _warm_process(_warm_env(job.env)) if job.warm_now else None
         for i, argv in enumerate(job.agent_argvs):
             with (
                 open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out,
                 open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err,
             ):
                 env = {**job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
-                if warm is not None:
-                    agent = warm.start_agent(argv, env, cwd, (lifeline, out.fileno(), err.fileno()))
+                if warm_process is not None:
+                    agent = warm_process.start_agent(argv, env, cwd, (lifeline, out.fileno(), err.fileno()))
                 else:
                     command = [sys.executable, "-m", "ddp_helpers._agent", *argv]
                     files = {"stdin": lifeline, "stdout": out, "stderr": err}

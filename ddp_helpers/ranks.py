@@ -140,7 +140,7 @@ class RankGroup:
         self.job = job
         self.options = job.options
         self.restart = restart
-        self.cells = 0  # cells sent so far; cell n is compiled as "<ranks cell n>"
+        self.cells = 0  # cells sent so far; cell n is compiled as _repl.cell_filename(n)
         # Whether the last cell sent ends with an expression (``%%ranks`` then shows the values).
         self.cell_has_value = False
         self.closed = False
@@ -252,7 +252,7 @@ class RankGroup:
         stall = launcher.check_seconds("stall_timeout", stall)
         max_bytes = _check_limit(max_bytes)
         self.cells += 1
-        filename = f"{_repl.CELL_PREFIX}{self.cells}>"
+        filename = _repl.cell_filename(self.cells)
         # Compiled here only to check it: a SyntaxError stops here, before any rank sees the cell.
         self.cell_has_value = _repl.split_cell(code, filename).last is not None
         for rank in self.launch.ranks:
@@ -420,15 +420,13 @@ class RankGroup:
         """End the group as hung: each rank's stack dumped and placed, all stopped; ``JobHungError``."""
         __tracebackhide__ = True
         try:
-            records = [
-                dataclasses.replace(record, idle=idle.get(record.rank)) for record in self.launch.hung_ranks()
-            ]
+            evidence = [dataclasses.replace(e, idle=idle.get(e.rank)) for e in self.launch.hung_ranks()]
             self.launch.stop()
             result, _ = self.launch.collect()
         finally:
             self._close()
         _strict.raise_checked(
-            diagnose.hang_error(result, hang, records, script, note=note), self.job.gloo_pinned
+            diagnose.hang_error(result, hang, evidence, script, note=note), self.job.gloo_pinned
         )
 
     def _ended(self, rank: int | None, note: str | None = None) -> None:
@@ -438,21 +436,20 @@ class RankGroup:
         try:
             self.launch.wait_for_agents(launcher.NODE_FAILURE_GRACE)
             self.launch.stop()
-            result, records = self.launch.collect()
+            result, evidence = self.launch.collect()
         finally:
             self._close()
         note = self._gone() if note is None else note
-        if any(record.failed for record in records.values()) or rank is None:
-            _strict.raise_checked(diagnose.failure_error(result, records, note=note), self.job.gloo_pinned)
-        how = (
-            diagnose.describe_exit(records[rank].exitcode) if records[rank].exitcode is not None else "ended"
-        )
+        if any(e.failed for e in evidence.values()) or rank is None:
+            _strict.raise_checked(diagnose.failure_error(result, evidence, note=note), self.job.gloo_pinned)
+        exitcode = evidence[rank].exitcode
+        how = diagnose.describe_exit(exitcode) if exitcode is not None else "ended"
         left = JobFailedError(
             f"rank {rank} left the group: its process {how} while the others ran on, so they were "
             f"stopped.\n{note}",
             result,
             rank=rank,
-            exitcode=records[rank].exitcode,
+            exitcode=exitcode,
         )
         _strict.raise_checked(left, self.job.gloo_pinned)
 

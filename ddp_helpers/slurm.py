@@ -123,7 +123,10 @@ def sbatch(
     )
     job = _plan(script, args, options)
     if options.show_script:
-        print(f"ddp_helpers: the batch script, to save as {job.batch_name}:\n{job.shown_script}", flush=True)
+        print(
+            f"ddp_helpers: the batch script, to save as {job.batch_name}:\n{job.batch_script_to_copy}",
+            flush=True,
+        )
         print(f"ddp_helpers: then type: {job.command}", flush=True)
     os.makedirs(job.run_dir)
     try:
@@ -171,14 +174,14 @@ class SbatchOptions(LaunchOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class _SlurmJob:
+class _SbatchPlan:
     """Everything an ``sbatch()`` launch needs, checked before anything is submitted."""
 
     options: SbatchOptions
     script_path: str
     run_dir: str
     batch_name: str
-    shown_script: str
+    batch_script_to_copy: str
     submitted_script: str
     command: str
     sbatch_argv: list[str]
@@ -186,7 +189,7 @@ class _SlurmJob:
     gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
-def _plan(script: str | os.PathLike, args: Sequence[object], options: SbatchOptions) -> _SlurmJob:
+def _plan(script: str | os.PathLike, args: Sequence[object], options: SbatchOptions) -> _SbatchPlan:
     """Check the script and write the batch scripts (bad input fails here, before anything is submitted)."""
     script, script_path = options.script_path(script)
     if shutil.which("sbatch") is None:
@@ -205,12 +208,12 @@ def _plan(script: str | os.PathLike, args: Sequence[object], options: SbatchOpti
     )
     batch_name = f"{stem}.sbatch"
     backend = {"DDP_BACKEND": options.backend} if options.backend else {}
-    return _SlurmJob(
+    return _SbatchPlan(
         options=options,
         script_path=script_path,
         run_dir=run_dir,
         batch_name=batch_name,
-        shown_script=batch_script(f"ddp-{stem}", program, **shape),
+        batch_script_to_copy=batch_script(f"ddp-{stem}", program, **shape),
         submitted_script=batch_script(f"ddp-{stem}", program, run_dir=run_dir, **shape),
         command=shlex.join(["sbatch", *options.sbatch_args, batch_name]),
         sbatch_argv=["sbatch", "--parsable", *options.sbatch_args, os.path.join(run_dir, batch_name)],
@@ -286,7 +289,7 @@ def batch_script(
     return "\n".join(lines) + "\n"
 
 
-def _run(job: _SlurmJob) -> SlurmResult:
+def _run(job: _SbatchPlan) -> SlurmResult:
     """Submit the planned job and follow it to its end, as ``torchrun()`` follows a launch."""
     options = job.options
     ranks = [RankFiles(job.run_dir, r, r in options.live) for r in range(options.world_size)]
@@ -307,13 +310,13 @@ def _run(job: _SlurmJob) -> SlurmResult:
         slurm.wait_gone()
     for rank in ranks:
         rank.finish()
-    result, records = _result(job, slurm, ranks)
+    result, evidence = _result(job, slurm, ranks)
     if hang:
         _strict.raise_checked(
             _cancelled(diagnose.hang_error(result, hang, hung, job.script_path), slurm.id), job.gloo_pinned
         )
     if slurm.state != "COMPLETED":
-        error = diagnose.failure_error(result, records)
+        error = diagnose.failure_error(result, evidence)
         if error.rank is None:
             error = type(error)(f"job {slurm.id} ended {slurm.state} ({slurm.exit_code}); {error}", result)
         _strict.raise_checked(error, job.gloo_pinned)
@@ -353,9 +356,9 @@ class _JobClock:
 
 
 def _result(
-    job: _SlurmJob, slurm: SlurmJob, ranks: Sequence[RankFiles]
-) -> tuple[SlurmResult, dict[int, diagnose.RankRecord]]:
-    """The ended job's result, with the agents' and the batch script's own lines, and each rank's record."""
+    job: _SbatchPlan, slurm: SlurmJob, ranks: Sequence[RankFiles]
+) -> tuple[SlurmResult, dict[int, diagnose.RankEvidence]]:
+    """The ended job's result, with the agents' and the batch script's own lines, and each rank's evidence."""
     echo_to = sys.stderr if job.options.show_agent else None
     logs = [
         LineFollower(protocol.agent_file(job.run_dir, i, kind), f"[torchrun node {i}] ", echo_to)
@@ -367,22 +370,22 @@ def _result(
         log.finish()
     failures = read_failure_records(job.run_dir, len(slurm.node_list))
     ok = slurm.state == "COMPLETED"
-    records = {r.rank: r.record(failure=failures.get(r.rank), agents_ok=ok) for r in ranks}
+    evidence = {r.rank: r.evidence(failure=failures.get(r.rank), agents_ok=ok) for r in ranks}
     result = SlurmResult(
         job.command,
         0 if ok else exit_status(slurm.exit_code),
         slurm.duration,
         {r.rank: r.stdout.lines for r in ranks},
         {r.rank: r.stderr.lines for r in ranks},
-        {r: record.exitcode for r, record in records.items()},
+        {r: e.exitcode for r, e in evidence.items()},
         [line for log in logs for line in log.lines],
         job_id=slurm.id,
         state=slurm.state or "",
         exit_code=slurm.exit_code or "",
         nodes=slurm.node_list,
-        batch_script=job.shown_script,
+        batch_script=job.batch_script_to_copy,
     )
-    return result, records
+    return result, evidence
 
 
 def _cancelled(error: TorchrunError, job_id: str) -> TorchrunError:
@@ -390,8 +393,8 @@ def _cancelled(error: TorchrunError, job_id: str) -> TorchrunError:
     return error
 
 
-def _hung_ranks(ranks: Sequence[RankFiles], slurm: SlurmJob) -> list[diagnose.RankRecord]:
-    """Every rank's record for a hang, with a stack dump from each rank whose process this machine sees (on
+def _hung_ranks(ranks: Sequence[RankFiles], slurm: SlurmJob) -> list[diagnose.RankEvidence]:
+    """Every rank's evidence for a hang, with a stack dump from each rank whose process this machine sees (on
     the practice cluster, all; on a real cluster the ranks run on other machines, and none come back)."""
     for rank in ranks:
         rank.poll()
@@ -399,7 +402,7 @@ def _hung_ranks(ranks: Sequence[RankFiles], slurm: SlurmJob) -> list[diagnose.Ra
     here = set(job_processes(slurm.id))  # a pid from another machine must never be signalled here
     signalled = [r if r.pid() in here else _Elsewhere(r) for r in ranks]
     stacks = dump_stacks(signalled, lambda: any([r.poll() for r in ranks]))
-    return [rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in ranks]
+    return [rank.evidence(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in ranks]
 
 
 class _Elsewhere:
@@ -487,15 +490,15 @@ class SlurmJob:
 
     def poll(self) -> str | None:
         """The job's state now (None if slurmctld does not know it); its exit code and nodes once known."""
-        shown = self.show()
-        if shown:
-            self.shown = shown
-            self.state, self.reason = shown.get("JobState"), shown.get("Reason")
-            if shown.get("NodeList") not in (None, "", "(null)") and not self.node_list:
-                listed = _slurm("scontrol", "show", "hostnames", shown["NodeList"]).stdout
+        fields = self.show()
+        if fields:
+            self.shown = fields
+            self.state, self.reason = fields.get("JobState"), fields.get("Reason")
+            if fields.get("NodeList") not in (None, "", "(null)") and not self.node_list:
+                listed = _slurm("scontrol", "show", "hostnames", fields["NodeList"]).stdout
                 self.node_list = listed.split()
             if self.state in ENDED:
-                self.exit_code = shown.get("ExitCode")
+                self.exit_code = fields.get("ExitCode")
                 self.duration = time.monotonic() - self.start
         return self.state
 
@@ -510,8 +513,8 @@ class SlurmJob:
 
     def queued(self) -> bool:
         """Whether squeue lists the job (pending, running or completing)."""
-        shown = _slurm("squeue", "-h", "-j", self.id, "-o", "%i").stdout
-        return self.id in shown.split()
+        listed = _slurm("squeue", "-h", "-j", self.id, "-o", "%i").stdout
+        return self.id in listed.split()
 
     def cancel(self) -> None:
         if self.queued():

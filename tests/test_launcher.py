@@ -274,7 +274,7 @@ def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
     rank.finish()
     assert rank.stdout.lines == ["first", "second, no newline"] and rank.stderr.lines == []
     assert not rank.poll() and len(rank.events) == 3, "each event parsed once, also after the files are done"
-    record = rank.record(agents_ok=True)
+    record = rank.evidence(agents_ok=True)
     assert (record.rank, record.started, record.exitcode, record.script_exit) == (1, True, 0, 0)
 
 
@@ -797,10 +797,10 @@ def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, c
     """A launch whose env= sets a variable torch reads at import runs cold, with a note (that warm=False
     really is a fresh process is test_warm_and_cold_launches_give_a_script_the_same_world's)."""
     job = _plan(script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, live=False)
-    assert not job.warm and job.env["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    assert not job.warm_now and job.env["TORCH_CPP_LOG_LEVEL"] == "INFO"
     assert "env= sets TORCH_CPP_LOG_LEVEL, which torch reads when it is imported" in capsys.readouterr().out
-    assert _plan(script(HELLO), env={"FOO": "1"}, live=False).warm
-    assert not _plan(script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, warm=False).warm
+    assert _plan(script(HELLO), env={"FOO": "1"}, live=False).warm_now
+    assert not _plan(script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, warm=False).warm_now
     assert capsys.readouterr().out == "", "no note when the caller asked for a cold launch anyway"
 
 

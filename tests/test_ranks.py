@@ -398,5 +398,5 @@ def test_stop_lets_every_rank_leave_cleanly_with_a_ddp_wrapper_alive(kernel_unch
             "from torch.nn.parallel import DistributedDataParallel as DDP\nddp = DDP(torch.nn.Linear(2, 2))"
         )
     assert group.closed and group.launch.agents.returncode() == 0, group.launch.agents.returncode()
-    records = {r.rank: r.record(agents_ok=True) for r in group.launch.ranks}
-    assert all(record.script_exit == 0 for record in records.values()), records
+    evidence = {r.rank: r.evidence(agents_ok=True) for r in group.launch.ranks}
+    assert all(e.script_exit == 0 for e in evidence.values()), evidence
