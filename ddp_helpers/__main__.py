@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_helpers.launcher import DEFAULT_TIMEOUT, TorchrunError, torchrun
+from ddp_helpers import launcher
+from ddp_helpers.launcher import LAUNCH_TIMEOUT, LaunchOptions, TorchrunError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=DEFAULT_TIMEOUT,
-        help=f"wall-clock limit in seconds (default {DEFAULT_TIMEOUT:g})",
+        default=LAUNCH_TIMEOUT,
+        help=f"wall-clock limit in seconds (default {LAUNCH_TIMEOUT:g})",
     )
     parser.add_argument(
         "--stall-timeout",
@@ -40,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
     try:
-        torchrun(
-            ns.script,
-            *ns.args,
+        options = LaunchOptions(
             nproc_per_node=ns.nproc_per_node,
             nnodes=ns.nnodes,
             timeout=ns.timeout,
@@ -50,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             warm=False,  # one launch: nothing to reuse
             live=True if ns.live_ranks is None else ns.live_ranks,
         )
+        launcher.run_launch(launcher.plan_launch(ns.script, ns.args, options))
     except TorchrunError as e:
         print(f"ddp_helpers: {e}", file=sys.stderr)
         return 1

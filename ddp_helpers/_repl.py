@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import ctypes
 import gc
 import io
 import linecache
@@ -33,7 +34,7 @@ from ddp_helpers import _protocol as protocol
 VALUE_LIMIT = 1 << 20  # the most bytes a cell's value may pickle to, unless the cell says otherwise
 MAX_VALUE_LIMIT = 8 << 20  # the most a cell may ask for: in base64 it still fits one message
 MAX_ERROR = 100_000  # characters of a traceback sent back; a longer one is cut in its middle
-CELL_PREFIX = "<ranks cell "  # every cell is compiled as "<ranks cell N>"
+CELL_PREFIX = "<ranks cell "  # every cell is compiled as "<ranks cell N>" (``cell_filename``)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class Cell:
 
     body: types.CodeType
     last: types.CodeType | None  # evaluated for the cell's value; None: no value (a statement, or `x;`)
+
+
+def cell_filename(number: int) -> str:
+    """The name cell ``number`` of a rank group is compiled under, as its tracebacks show it."""
+    return f"{CELL_PREFIX}{number}>"
 
 
 def split_cell(code: str, filename: str) -> Cell:
@@ -185,8 +191,6 @@ def _flush_output() -> None:
         except (OSError, ValueError):
             pass
     try:
-        import ctypes
-
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):  # no C library to ask (not Linux or macOS)
         pass

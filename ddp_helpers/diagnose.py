@@ -1,8 +1,9 @@
 """Whom to blame: turn what the ranks left behind into the error a launch raises. Pure functions only.
 
-The launcher gathers the evidence (each rank's ``RankRecord``: its status events, torch's failure record, its
-stack dump when the job hung) and calls ``failure_error`` or ``hang_error``; ``Watch`` decides when a running
-job counts as hung. Everything here is tested in milliseconds with made-up evidence (tests/test_diagnose.py).
+The launcher gathers the evidence (each rank's ``RankEvidence``: its status events, torch's failure record,
+its stack dump when the job hung) and calls ``failure_error`` or ``hang_error``; ``Watch`` decides when a
+running job counts as hung. Everything here is tested in milliseconds with made-up evidence
+(tests/test_diagnose.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ _DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
 _NN_PARALLEL = f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}"
 _AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
 _OWN = f"{os.sep}ddp_helpers{os.sep}"
-_POINT_TO_POINT = {
-    "send": "recv",
-    "recv": "send",
-}  # blocking point-to-point calls, each with the one it waits for
+# Blocking point-to-point calls, each with the one it waits for.
+_POINT_TO_POINT = {"send": "recv", "recv": "send"}
 # DDP starts its gradient all-reduce from C++ inside autograd, so a rank waiting for it shows only backward().
 BACKWARD = "backward (DDP's gradient all-reduce runs inside it)"
 
@@ -42,10 +41,10 @@ class Frame:
 
 
 @dataclass(frozen=True)
-class RankRecord:
+class RankEvidence:
     """Everything known about one rank's last attempt: what the worker wrapper wrote to its status file,
     torch's failure record, and, when the job hung, whether its process still ran and its stack dump. The
-    diagnosis works on these records only, so every message below is built without a process."""
+    diagnosis works on this evidence only, so every message below is built without a process."""
 
     rank: int
     started: bool = False  # the worker wrapper recorded the start of its script
@@ -69,7 +68,7 @@ class RankRecord:
         return self.raised is None and self.exitcode == -signal.SIGTERM
 
 
-def rank_record(
+def rank_evidence(
     rank: int,
     events: Sequence[Mapping],
     failure: Mapping | None = None,
@@ -77,8 +76,8 @@ def rank_record(
     agents_ok: bool = False,
     alive: bool = False,
     stack: str | None = None,
-) -> RankRecord:
-    """One rank's record from its status events (``_protocol``: start, exception, exit) and torch's failure
+) -> RankEvidence:
+    """One rank's evidence from its status events (``_protocol``: start, exception, exit) and torch's failure
     record for it, if any. Only the last attempt counts: a restart begins with a new ``start``. The exit code
     is torch's when it has one, else the script's own, else 0 when every agent succeeded (else unknown)."""
     start = end = raised = None
@@ -95,7 +94,7 @@ def rank_record(
     else:
         exitcode = script_exit if end else (0 if agents_ok else None)
     when = (raised or end or {}).get("time", (failure or {}).get("timestamp"))
-    return RankRecord(
+    return RankEvidence(
         rank,
         started=start is not None,
         script_exit=script_exit,
@@ -110,7 +109,7 @@ def rank_record(
 # ---- a failure: whom to blame ----------------------------------------------------------------------------
 
 
-def blame_order(record: RankRecord) -> tuple[bool, float, int]:
+def blame_order(record: RankEvidence) -> tuple[bool, float, int]:
     """Sort key for failed ranks: one that failed by itself before one torchrun stopped; then the earliest."""
     return record.stopped_by_torchrun, record.time, record.rank
 
@@ -120,7 +119,7 @@ def describe_exit(code: int | None) -> str:
     return f"was killed by {name} (exit code {code})" if name else f"exited with code {code}"
 
 
-def describe_failure(record: RankRecord) -> str:
+def describe_failure(record: RankEvidence) -> str:
     if record.raised is None:
         return describe_exit(record.exitcode)
     if record.exitcode == 1:
@@ -129,11 +128,11 @@ def describe_failure(record: RankRecord) -> str:
 
 
 def failure_error(
-    result: TorchrunResult, records: Mapping[int, RankRecord], note: str = ""
+    result: TorchrunResult, evidence: Mapping[int, RankEvidence], note: str = ""
 ) -> JobFailedError:
     """The error for a job that failed: the rank to blame first, how it ended and its own last traceback;
     ``note``, if any, is its last line."""
-    failed = sorted((r for r in records.values() if r.failed), key=blame_order)
+    failed = sorted((r for r in evidence.values() if r.failed), key=blame_order)
     end = f"\n{note}" if note else ""
     if not failed:
         tail = "\n".join(result.agent_output[-20:])
@@ -148,7 +147,7 @@ def failure_error(
         head += f"; then {len(others)} other rank(s) stopped too: " + ", ".join(
             f"rank {r.rank} {describe_failure(r)}" for r in others
         )
-    early = [r.rank for r in records.values() if r.exitcode == 0]
+    early = [r.rank for r in evidence.values() if r.exitcode == 0]
     if early:
         names = ", ".join(f"rank {r}" for r in early)
         head += (
@@ -224,12 +223,12 @@ def place(dump: str, script: str) -> Place:
     return Place(main)
 
 
-def _where(record: RankRecord, script: str) -> Place | None:
+def _where(record: RankEvidence, script: str) -> Place | None:
     """The place of a rank whose process still ran and sent a dump; None for the others."""
     return place(record.stack, script) if record.alive and record.stack is not None else None
 
 
-def describe_hung(record: RankRecord, script: str) -> str:
+def describe_hung(record: RankEvidence, script: str) -> str:
     """One line on where a rank was when the job was caught hanging."""
     r = record.rank
     if record.idle == "finished":
@@ -256,13 +255,13 @@ def describe_hung(record: RankRecord, script: str) -> str:
     return f"rank {r} is busy at {where} (innermost: {inner}), not in a collective"
 
 
-def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecord], str]:
+def culprits(evidence: Sequence[RankEvidence], script: str) -> tuple[list[RankEvidence], str]:
     """Pick the ranks that caused a hang, and say why in one line. A rank not running a ``%%ranks`` cell
     (``idle``) is to blame only when a peer waits in a collective: it will never join it."""
-    places = {r.rank: _where(r, script) for r in records}
-    exited = [r for r in records if not r.alive or r.script_exit is not None]
-    idle = [r for r in records if r.idle and r not in exited]
-    rest = [r for r in records if r not in exited and r not in idle]
+    places = {r.rank: _where(r, script) for r in evidence}
+    exited = [r for r in evidence if not r.alive or r.script_exit is not None]
+    idle = [r for r in evidence if r.idle and r not in exited]
+    rest = [r for r in evidence if r not in exited and r not in idle]
     if any(places[r.rank] is not None and places[r.rank].collective for r in rest):
         exited += idle
     busy = [r for r in rest if places[r.rank] is not None and not places[r.rank].collective]
@@ -288,14 +287,14 @@ def culprits(records: Sequence[RankRecord], script: str) -> tuple[list[RankRecor
 
 
 def hang_error(
-    result: TorchrunResult, hang: Hang, records: Sequence[RankRecord], script: str, note: str = ""
+    result: TorchrunResult, hang: Hang, evidence: Sequence[RankEvidence], script: str, note: str = ""
 ) -> JobHungError:
     """The error for a hung job: the rank(s) that caused it, from the stack dumps, and where the rest wait;
     ``note``, if any, is its last line."""
-    stuck, why = culprits(records, script)
+    stuck, why = culprits(evidence, script)
     lines = [f"{hang}; stuck: " + ", ".join(f"rank {r.rank}" for r in stuck) + f" ({why})."]
     lines += [f"  {describe_hung(r, script)}" for r in stuck]
-    waiting = [r for r in records if r not in stuck]
+    waiting = [r for r in evidence if r not in stuck]
     if waiting:
         lines.append("Waiting for them:")
         lines += [f"  {describe_hung(r, script)}" for r in waiting]
@@ -306,7 +305,7 @@ def hang_error(
     lines.append(f"Every rank was killed. The stack dumps are on the error{show}; the logs on err.result.")
     if note:
         lines.append(note)
-    stacks = {r.rank: r.stack or "" for r in records if r.alive}
+    stacks = {r.rank: r.stack or "" for r in evidence if r.alive}
     return JobHungError(
         "\n".join(lines), result, hang=hang, stuck_ranks=[r.rank for r in stuck], stacks=stacks
     )

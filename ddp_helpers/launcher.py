@@ -1,14 +1,14 @@
 """``torchrun(...)``: run a script under real torchrun from a notebook cell, show each rank, raise on failure.
 
-This module holds the mechanics of one launch: check every argument (``_plan``), make the run folder and the
-lifeline, start the agents (cold, or forked by the warm process), follow each rank's files, catch a hang, stop
-and reap every process. Whom to blame is ``diagnose``'s; what a launch returns or raises is ``outcome``'s; how
-the processes talk is ``_protocol``'s.
+This module holds the mechanics of one launch: check every option (``LaunchOptions``) and plan the commands
+(``plan_launch``), make the run folder and the lifeline, start the agents (cold, or forked by the warm
+process), follow the ranks' files (``_run_folder``), catch a hang, stop and reap every process (``_procs``).
+Whom to blame is ``diagnose``'s; what a launch returns or raises is ``outcome``'s; how the processes talk is
+``_protocol``'s. ``RankGroup`` and ``sbatch()`` use the same parts, by their public names.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
@@ -23,26 +23,41 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TextIO
 
 from ddp_helpers import _protocol as protocol
 from ddp_helpers import _strict, _warm, diagnose, environment
+from ddp_helpers._procs import pgid_alive, signal_pgids
+from ddp_helpers._run_folder import (
+    POLL_INTERVAL,
+    LineFollower,
+    Progress,
+    RankFiles,
+    dump_stacks,
+    flush_output,
+    follow,
+    read_failure_records,
+)
 from ddp_helpers.outcome import Hang, JobFailedError, JobHungError, TorchrunError, TorchrunResult
 
-__all__ = ["DEFAULT_TIMEOUT", "JobFailedError", "JobHungError", "TorchrunError", "TorchrunResult", "torchrun"]
+__all__ = [
+    "LAUNCH_TIMEOUT",
+    "JobFailedError",
+    "JobHungError",
+    "LaunchOptions",
+    "TorchrunError",
+    "TorchrunResult",
+    "torchrun",
+]
 
-DEFAULT_TIMEOUT = 600.0  # wall-clock limit of a job unless the caller gives one (None: no limit)
-POLL_INTERVAL = 0.05  # how often output files and processes are checked: short enough to feel live
+# A launch's wall-clock limit, from its start, unless the caller gives one (None: no limit).
+LAUNCH_TIMEOUT = 600.0
+DEFAULT_TIMEOUT = LAUNCH_TIMEOUT  # its former name, which notebook 10 reads
 TERM_GRACE = 3.0  # after SIGTERM, seconds torchrun and the ranks get to flush logs and exit before SIGKILL
 # When one simulated node's agent fails, the other agents normally notice through the rendezvous and exit
 # within a second or two; this is the most they get before being stopped (they are then reported as killed).
 NODE_FAILURE_GRACE = 10.0
-# A stack dump is written by faulthandler's C handler the moment the signal arrives; a rank that has not
-# answered after this long (stopped, or stuck in the kernel) is reported as silent.
-DUMP_WAIT = 30.0
-DUMP_SETTLE = 0.3  # a rank's dump counts as complete once its stderr has had no new line for this long
 REAP_WAIT = 5.0  # after SIGKILL, how long to wait for an agent process to be reaped
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # which GPUs torch sees
 
 
@@ -51,7 +66,7 @@ def torchrun(
     *args: object,
     nproc_per_node: int = 1,
     nnodes: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
+    timeout: float | None = LAUNCH_TIMEOUT,
     stall_timeout: float | None = None,
     env: Mapping[str, object] | None = None,
     cwd: str | os.PathLike | None = None,
@@ -99,9 +114,7 @@ def torchrun(
         result = torchrun("scripts/00_hello.py", "--steps", "3", nproc_per_node=2, timeout=120)
         assert all(r["sum"] == 3 for r in result.records())
     """
-    job = _plan(
-        script=script,
-        args=args,
+    options = LaunchOptions(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         timeout=timeout,
@@ -115,67 +128,104 @@ def torchrun(
         grace=grace,
         warm=warm,
     )
-    with _Launch(job) as launch:
+    return run_launch(plan_launch(script, args, options))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How to launch, as ``torchrun()`` takes it (its docstring says what each option means), checked as it is
+    built: bad input fails here, in teaching language, before any process starts. ``torchrun()``,
+    ``RankGroup``, ``%ranks start`` and ``python -m ddp_helpers`` each build one; ``sbatch()`` builds an
+    ``SbatchOptions``. Each option is kept in one form: seconds as floats, ``torchrun_args`` as a tuple,
+    ``env`` as strings (empty for None), ``cwd`` as an absolute folder, ``live`` as the set of ranks shown."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    timeout: float | None = LAUNCH_TIMEOUT
+    stall_timeout: float | None = None
+    env: Mapping[str, object] | None = None
+    cwd: str | os.PathLike | None = None
+    live: bool | Iterable[int] = True
+    backend: str | None = None
+    torchrun_args: Sequence[str] = ()
+    show_agent: bool = False
+    grace: float = TERM_GRACE
+    warm: bool = True
+
+    def __post_init__(self) -> None:
+        self._keep(
+            nproc_per_node=check_count("nproc_per_node", self.nproc_per_node),
+            nnodes=check_count("nnodes", self.nnodes),
+            timeout=check_seconds("timeout", self.timeout),
+            stall_timeout=check_seconds("stall_timeout", self.stall_timeout),
+            grace=_check_grace(self.grace),
+            torchrun_args=tuple(check_flags(self.torchrun_args)),
+            env=_check_env(self.env),
+        )
+        for name in ("show_agent", "warm"):
+            _check_flag(name, getattr(self, name))
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"backend must be 'gloo', 'nccl' or None (let the script choose), not {self.backend!r}"
+            )
+        self._keep(cwd=_check_cwd(self.cwd))
+        self._keep(live=frozenset(_live_ranks(self.live, self.world_size)))
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def script_path(self, script: str | os.PathLike) -> tuple[str, str]:
+        """The script as a string and its path under ``cwd``; FileNotFoundError if it is missing."""
+        script = os.fspath(script)
+        path = os.path.join(self.cwd, script)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"script {script!r} not found (looked for {path}). Write it first "
+                f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
+            )
+        return script, path
+
+    def _keep(self, **checked: object) -> None:
+        """Keep each checked option in its one form (the dataclass is frozen once built)."""
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+
+def run_launch(job: LaunchPlan) -> TorchrunResult:
+    """Launch a planned job and follow it to its end: ``torchrun()`` once its options are built."""
+    with Launch(job) as launch:
         hang = launch.watch()
         # Where every rank was, as found: before anything is stopped.
         hung = launch.hung_ranks() if hang else []
         launch.stop()
-        result, records = launch.collect()
+        result, evidence = launch.collect()
     if hang:
         _strict.raise_checked(diagnose.hang_error(result, hang, hung, job.script_path), job.gloo_pinned)
     if result.returncode != 0:
-        _strict.raise_checked(diagnose.failure_error(result, records), job.gloo_pinned)
+        _strict.raise_checked(diagnose.failure_error(result, evidence), job.gloo_pinned)
     return result
 
 
-@dataclass
-class _Job:
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
     """Everything a launch needs, checked and computed before any process starts."""
 
+    options: LaunchOptions
     run_id: str  # a short random id: in the run folder's name, and torchrun's --rdzv-id with nnodes > 1
-    script: str
     script_path: str
-    cwd: str
-    world_size: int
     agent_argvs: list[list[str]]  # torchrun's arguments, one list per simulated node
     plain_command: str  # what to type outside the notebook
     env: dict[str, str]
-    live: set[int]
-    show_agent: bool
-    timeout: float | None
-    stall_timeout: float | None
-    grace: float
-    warm: bool
+    warm_now: bool  # warm after the import-time check (``env=`` may turn a warm launch cold)
     gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
-def _plan(
-    *,
-    script: str | os.PathLike,
-    args: Sequence[object] = (),
-    nproc_per_node: int = 1,
-    nnodes: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    stall_timeout: float | None = None,
-    env: Mapping[str, object] | None = None,
-    cwd: str | os.PathLike | None = None,
-    live: bool | Iterable[int] = True,
-    backend: str | None = None,
-    torchrun_args: Sequence[str] = (),
-    show_agent: bool = False,
-    grace: float = TERM_GRACE,
-    warm: bool = True,
-) -> _Job:
-    """Check every argument (bad input fails here, before any process starts) and build the commands."""
-    nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
-    nnodes = _check_count("nnodes", nnodes)
-    timeout = _check_seconds("timeout", timeout)
-    stall_timeout = _check_seconds("stall_timeout", stall_timeout)
-    grace = _check_grace(grace)
-    torchrun_args = _check_flags(torchrun_args)
-    script, script_path, run_cwd = _check_job(script, cwd, env, backend, show_agent=show_agent, warm=warm)
-    world_size = nproc_per_node * nnodes
-    shown = _live_ranks(live, world_size)
+def plan_launch(script: str | os.PathLike, args: Sequence[object], options: LaunchOptions) -> LaunchPlan:
+    """Check the script and build the agents' commands and environment (bad input fails here, before any
+    process starts)."""
+    script, script_path = options.script_path(script)
+    world_size = options.world_size
     cores = os.cpu_count() or 1
     if world_size > cores:
         warnings.warn(
@@ -183,56 +233,48 @@ def _plan(
             f"for learning but slow, and timings will not mean much.",
             stacklevel=3,
         )
-    extra_env = {str(k): str(v) for k, v in (env or {}).items()}
-    import_time = _warm.import_time_env(extra_env)
-    warm_now = warm and not import_time
+    import_time = _warm.import_time_env(options.env)
+    warm_now = options.warm and not import_time
     child_env = {
         **os.environ,
-        **extra_env,
+        **options.env,
         "PYTHONUNBUFFERED": "1",
         protocol.PARENT_PID: str(os.getpid()),
         protocol.LIFELINE: "0",
     }
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
-    pinned = _strict.gloo_pinned(backend, child_env, script_path)  # before a DDP_BACKEND the launch hands on
-    child_env.update(_backend_env(backend, nproc_per_node, child_env, warm_now))
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), PACKAGE_PARENT) if p)
+    # Before a DDP_BACKEND the launch hands on.
+    pinned = _strict.gloo_pinned(options.backend, child_env, script_path)
+    child_env.update(_backend_env(options.backend, options.nproc_per_node, child_env, warm_now))
 
     run_id = uuid.uuid4().hex[:12]
-    node_args = _node_args(nnodes, run_id)
+    node_args = _node_args(options.nnodes, run_id)
     script_cmd = ["-m", "ddp_helpers._worker", script, *map(str, args)]
-    per_node = [f"--nproc-per-node={nproc_per_node}", *torchrun_args, *script_cmd]
-    agent_argvs = [[*node, *per_node] for node in node_args]
+    per_node = [f"--nproc-per-node={options.nproc_per_node}", *options.torchrun_args, *script_cmd]
     # What to type on each node outside the notebook (is_host and local-addr only matter on one machine).
     plain = [
         "torchrun",
         *(a for a in node_args[0] if not a.startswith(("--rdzv-conf", "--local-addr"))),
-        f"--nproc-per-node={nproc_per_node}",
-        *torchrun_args,
+        f"--nproc-per-node={options.nproc_per_node}",
+        *options.torchrun_args,
         script,
         *map(str, args),
     ]
-    if warm and import_time:
+    if options.warm and import_time:
         print(
             f"ddp_helpers: env= sets {', '.join(sorted(import_time))}, which torch reads when it is "
             "imported: this launch starts a fresh torchrun (warm=False)",
             flush=True,
         )
-    return _Job(
-        run_id,
-        script,
-        script_path,
-        run_cwd,
-        world_size,
-        agent_argvs,
-        shlex.join(plain),
-        child_env,
-        shown,
-        show_agent,
-        timeout,
-        stall_timeout,
-        grace,
-        warm_now,
-        pinned,
+    return LaunchPlan(
+        options=options,
+        run_id=run_id,
+        script_path=script_path,
+        agent_argvs=[[*node, *per_node] for node in node_args],
+        plain_command=shlex.join(plain),
+        env=child_env,
+        warm_now=warm_now,
+        gloo_pinned=pinned,
     )
 
 
@@ -327,19 +369,20 @@ def _warm_process(env: dict[str, str]) -> _warm.WarmProcess | None:
     return process
 
 
-class _Launch:
+class Launch:
     """One running job: its run folder, lifeline, ranks and agents. Leaving it stops and reaps them all."""
 
-    def __init__(self, job: _Job):
+    def __init__(self, job: LaunchPlan):
         self.job = job
         self.run_dir = tempfile.mkdtemp(prefix=f"ddp_helpers_{job.run_id}_")
-        self.ranks = [_Rank(self.run_dir, r, r in job.live) for r in range(job.world_size)]
+        live, world_size = job.options.live, job.options.world_size
+        self.ranks = [RankFiles(self.run_dir, r, r in live) for r in range(world_size)]
         self.agents = _Agents(job, self.run_dir)
         # The lifeline (see _protocol): every agent and rank dies with its write end.
         self.lifeline_r, self.lifeline_w = os.pipe()
         self.start = time.monotonic()
 
-    def __enter__(self) -> _Launch:
+    def __enter__(self) -> Launch:
         try:
             self.agents.start(self.lifeline_r)
         except BaseException:
@@ -356,7 +399,7 @@ class _Launch:
         finally:
             os.close(self.lifeline_w)  # every agent and worker still alive now kills its own group
             self.agents.reap()
-            _flush()
+            flush_output()
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
                 print(self._interrupted(), file=sys.stderr, flush=True)
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -365,129 +408,115 @@ class _Launch:
         """Read what arrived from every rank and agent; True if a rank wrote a new line."""
         ranks = any([r.poll() for r in self.ranks])  # a list: poll every rank, always
         if self.agents.poll_logs() or ranks:
-            _flush()
+            flush_output()
         return ranks
 
     def watch(self) -> Hang | None:
         """Stream output until every agent has exited; the ``Hang`` if the job hung first, else None."""
-        watch = diagnose.Watch(self.start, self.job.timeout, self.job.stall_timeout)
-        first_failure = None
-        while True:
+        options = self.job.options
+        first_failure: float | None = None
+
+        def look() -> Progress:
+            nonlocal first_failure
             new_lines = self.poll()
             codes = self.agents.poll()
-            if all(c is not None for c in codes):
-                return None
             now = time.monotonic()
             if first_failure is None and any(c not in (None, 0) for c in codes):
                 first_failure = now  # one simulated node failed; give the others a moment to notice
-            if first_failure is not None and now - first_failure > NODE_FAILURE_GRACE:
-                return None
-            hang = watch.check(now, new_lines, all(r.printed for r in self.ranks))
-            if hang is not None:
-                return hang
-            time.sleep(POLL_INTERVAL)
+            given_up = first_failure is not None and now - first_failure > NODE_FAILURE_GRACE
+            done = all(c is not None for c in codes) or given_up
+            return Progress(new_lines, done, all(r.printed for r in self.ranks))
 
-    def hung_ranks(self) -> list[diagnose.RankRecord]:
-        """Every rank's record for a hang, with a faulthandler dump of all its threads from each live rank."""
+        return follow(look, diagnose.Watch(self.start, options.timeout, options.stall_timeout))
+
+    def agents_running(self) -> bool:
+        """Whether every agent still runs (one that exited ends a rank group)."""
+        return all(code is None for code in self.agents.poll())
+
+    def wait_for_agents(self, seconds: float) -> None:
+        """Show the ranks' lines while an agent still runs, for at most ``seconds`` (torchrun stopping the
+        ranks after one failed, or the ranks leaving after ``%ranks stop``); then read what is left."""
+        end = time.monotonic() + seconds
+        while self.agents.running() and time.monotonic() < end:
+            self.poll()
+            time.sleep(POLL_INTERVAL)
         self.poll()
-        for (
-            rank
-        ) in self.ranks:  # the dumps go to the error's .stacks, not the cell: the diagnosis comes first
+
+    def hung_ranks(self) -> list[diagnose.RankEvidence]:
+        """Every rank's evidence for a hang, with a faulthandler dump of every thread of each live rank."""
+        self.poll()
+        # The dumps go to the error's .stacks, not the cell: the diagnosis comes first.
+        for rank in self.ranks:
             rank.stderr.mute()
-        stacks = _dump_stacks(self.ranks, self.poll)
+        stacks = dump_stacks(self.ranks, self.poll)
         return [
-            rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in self.ranks
+            rank.evidence(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None)
+            for rank in self.ranks
         ]
 
     def stop(self) -> None:
         """Stop every agent and every rank's process group (SIGTERM, the grace period, then SIGKILL)."""
-        self.agents.stop(self._worker_groups, self.job.grace)
+        self.agents.stop(self._rank_pgids, self.job.options.grace)
 
-    def collect(self) -> tuple[TorchrunResult, dict[int, diagnose.RankRecord]]:
-        """The job's result, and each rank's record of how its last attempt ended."""
+    def collect(self) -> tuple[TorchrunResult, dict[int, diagnose.RankEvidence]]:
+        """The job's result, and each rank's evidence of how its last attempt ended."""
         for rank in self.ranks:
             rank.finish()
         agent_output = self.agents.finish()
-        _flush()
-        failures, ok = self.agents.failures(), all(a.returncode == 0 for a in self.agents.procs)
-        records = {r.rank: r.record(failure=failures.get(r.rank), agents_ok=ok) for r in self.ranks}
+        flush_output()
+        failures = read_failure_records(self.run_dir, len(self.agents.procs))
+        ok = all(a.returncode == 0 for a in self.agents.procs)
+        evidence = {r.rank: r.evidence(failure=failures.get(r.rank), agents_ok=ok) for r in self.ranks}
         out, err = ({r.rank: getattr(r, kind).lines for r in self.ranks} for kind in ("stdout", "stderr"))
-        codes = {r: record.exitcode for r, record in records.items()}
+        codes = {r: e.exitcode for r, e in evidence.items()}
         duration = time.monotonic() - self.start
         rc = self.agents.returncode()
-        return TorchrunResult(self.job.plain_command, rc, duration, out, err, codes, agent_output), records
+        return TorchrunResult(self.job.plain_command, rc, duration, out, err, codes, agent_output), evidence
 
-    def _worker_groups(self) -> set[int]:
-        return {g for rank in self.ranks for g in rank.groups()}
+    def _rank_pgids(self) -> set[int]:
+        return {pgid for rank in self.ranks for pgid in rank.pgids()}
 
     def _interrupted(self) -> str:
         """One line for an interrupted cell: were all ranks and agents really stopped?"""
-        left = self.agents.left(self._worker_groups)
+        left = self.agents.left(self._rank_pgids)
         if left:
             groups = f"process group(s) {left}"
             return f"ddp_helpers: interrupted; still stopping {groups} (they die with their lifeline)"
-        ranks = f"all {self.job.world_size} rank(s) and their torchrun agent(s)"
+        ranks = f"all {self.job.options.world_size} rank(s) and their torchrun agent(s)"
         return f"ddp_helpers: interrupted; {ranks} were stopped, nothing is left running"
-
-
-def _dump_stacks(ranks: Sequence[_Rank], poll: Callable[[], bool]) -> dict[int, str]:
-    """Signal every rank whose process is alive to dump its stacks, and collect what arrives, by rank (an
-    empty text where nothing came back). ``poll`` reads the ranks' new lines, True if there were any."""
-    marks = {}  # rank -> how many stderr lines it had before the signal
-    for rank in ranks:
-        pid = rank.pid()
-        if pid is not None and _alive(pid):  # also a rank whose script ended but whose process hangs on
-            marks[rank.rank] = len(rank.stderr.lines)
-            try:
-                os.kill(pid, protocol.STACK_SIGNAL)
-            except ProcessLookupError:
-                marks.pop(rank.rank)
-    stop = time.monotonic() + DUMP_WAIT
-    quiet_since = time.monotonic()
-    while marks and time.monotonic() < stop:
-        time.sleep(0.1)
-        if poll():
-            quiet_since = time.monotonic()
-        started = all(
-            any("most recent call first" in line for line in ranks[r].stderr.lines[m:])
-            for r, m in marks.items()
-        )
-        if started and time.monotonic() - quiet_since > DUMP_SETTLE:
-            break
-    return {r: "\n".join(ranks[r].stderr.lines[m:]) for r, m in marks.items()}
 
 
 class _Agents:
     """A launch's torchrun agents, one per simulated node, each in a process group of its own: started cold
     (``python -m ddp_helpers._agent``) or forked by the warm process; their own logs and failure records."""
 
-    def __init__(self, job: _Job, run_dir: str):
+    def __init__(self, job: LaunchPlan, run_dir: str):
         self.job, self.run_dir = job, run_dir
         count = len(job.agent_argvs)
         tags = ["torchrun"] if count == 1 else [f"torchrun node {i}" for i in range(count)]
-        shown = {"stdout": sys.stdout, "stderr": sys.stderr} if job.show_agent else {}
+        echo_to = {"stdout": sys.stdout, "stderr": sys.stderr} if job.options.show_agent else {}
         self.logs = [
-            _Lines(protocol.agent_file(run_dir, i, kind), f"[{tag}] ", shown.get(kind))
+            LineFollower(protocol.agent_file(run_dir, i, kind), f"[{tag}] ", echo_to.get(kind))
             for i, tag in enumerate(tags)
             for kind in ("stdout", "stderr")
         ]
         self.procs: list[subprocess.Popen | _warm.WarmAgent] = []
 
     def start(self, lifeline: int) -> None:
-        job = self.job
-        warm = _warm_process(_warm_env(job.env)) if job.warm else None
+        job, cwd = self.job, self.job.options.cwd
+        warm_process = _warm_process(_warm_env(job.env)) if job.warm_now else None
         for i, argv in enumerate(job.agent_argvs):
             with (
                 open(protocol.agent_file(self.run_dir, i, "stdout"), "wb") as out,
                 open(protocol.agent_file(self.run_dir, i, "stderr"), "wb") as err,
             ):
                 env = {**job.env, protocol.RUN_DIR: self.run_dir, protocol.AGENT: str(i)}
-                if warm is not None:
-                    agent = warm.start_agent(argv, env, job.cwd, (lifeline, out.fileno(), err.fileno()))
+                if warm_process is not None:
+                    agent = warm_process.start_agent(argv, env, cwd, (lifeline, out.fileno(), err.fileno()))
                 else:
                     command = [sys.executable, "-m", "ddp_helpers._agent", *argv]
                     files = {"stdin": lifeline, "stdout": out, "stderr": err}
-                    agent = subprocess.Popen(command, cwd=job.cwd, env=env, start_new_session=True, **files)
+                    agent = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True, **files)
                 self.procs.append(agent)
 
     def poll(self) -> list[int | None]:
@@ -501,28 +530,29 @@ class _Agents:
     def running(self) -> list:
         return [a for a in self.procs if a.poll() is None]
 
-    def stop(self, worker_groups: Callable[[], set[int]], grace: float) -> None:
-        """SIGTERM every running agent's process group and every live worker group (``worker_groups()``: a
-        rank's children count too), wait up to ``grace`` seconds, then SIGKILL what is left."""
+    def stop(self, rank_pgids: Callable[[], set[int]], grace: float) -> None:
+        """SIGTERM every running agent's process group and every live rank's (``rank_pgids()``: a rank's
+        children count too), wait up to ``grace`` seconds, then SIGKILL what is left."""
         running = self.running()
-        workers = {g for g in worker_groups() if _alive(g, group=True)}
-        if not running and not workers:
+        ranks = {pgid for pgid in rank_pgids() if pgid_alive(pgid)}
+        if not running and not ranks:
             return
-        groups = {a.pid for a in running} | workers
-        _signal_groups(groups, signal.SIGTERM)
+        pgids = {a.pid for a in running} | ranks
+        signal_pgids(pgids, signal.SIGTERM)
         end = time.monotonic() + grace
         while time.monotonic() < end:
-            if all(a.poll() is not None for a in running) and not any(_alive(g, group=True) for g in workers):
+            if all(a.poll() is not None for a in running) and not any(pgid_alive(g) for g in ranks):
                 break
             time.sleep(POLL_INTERVAL)
-        _signal_groups(groups | worker_groups(), signal.SIGKILL)
+        signal_pgids(pgids | rank_pgids(), signal.SIGKILL)
         self.reap(running)
 
-    def left(self, worker_groups: Callable[[], set[int]]) -> list[int]:
-        """The agents and worker groups still alive after being killed; they get a moment to be reaped."""
+    def left(self, rank_pgids: Callable[[], set[int]]) -> list[int]:
+        """The agents and ranks' process groups still alive after being killed; they get a moment to be
+        reaped."""
         end = time.monotonic() + REAP_WAIT
         while (
-            left := [a.pid for a in self.running()] + [g for g in worker_groups() if _alive(g, group=True)]
+            left := [a.pid for a in self.running()] + [g for g in rank_pgids() if pgid_alive(g)]
         ) and time.monotonic() < end:
             time.sleep(POLL_INTERVAL)
         return left
@@ -539,17 +569,6 @@ class _Agents:
         rc = next((a.returncode for a in self.procs if a.returncode not in (0, None)), 0)
         return rc or (-signal.SIGKILL if any(a.returncode is None for a in self.procs) else 0)
 
-    def failures(self) -> dict[int, dict]:
-        """Torch's failure records of every agent, by global rank."""
-        failures: dict[int, dict] = {}
-        for i in range(len(self.procs)):
-            try:
-                with open(protocol.agent_file(self.run_dir, i, "failures"), encoding="utf-8") as f:
-                    failures.update({int(k): v for k, v in json.load(f).items()})
-            except (FileNotFoundError, ValueError):
-                pass
-        return failures
-
     def finish(self) -> list[str]:
         """Every agent's log lines, read to the end."""
         for log in self.logs:
@@ -557,147 +576,28 @@ class _Agents:
         return [line for log in self.logs for line in log.lines]
 
 
-class _Rank:
-    """One rank's three files in the run folder, each read once as it grows: stdout and stderr (kept whole,
-    shown live as ``[rank N] ...``) and the worker wrapper's status file, parsed into events line by line."""
-
-    def __init__(self, run_dir: str, rank: int, live: bool):
-        self.rank = rank
-        prefix = f"[rank {rank}] "
-        self.stdout = _Lines(protocol.rank_file(run_dir, rank, "stdout"), prefix)
-        self.stderr = _Lines(protocol.rank_file(run_dir, rank, "stderr"), prefix)
-        self.show(live)
-        self._status = _Lines(protocol.rank_file(run_dir, rank, "status"))
-        self.events: list[dict] = []  # the status file's events so far (_protocol: start, exception, exit)
-
-    def show(self, live: bool) -> None:
-        """Echo the lines that arrive from now on to this moment's sys.stdout and sys.stderr, or (not
-        ``live``) only keep them. A rank group calls it at each cell: a cell's output may have moved."""
-        self.stdout.out = sys.stdout if live else None
-        self.stderr.out = sys.stderr if live else None
-
-    def poll(self) -> bool:
-        """Read what arrived; True if the rank wrote a new line of output."""
-        self._parse(self._status.poll())
-        out, err = self.stdout.poll(), self.stderr.poll()
-        return bool(out or err)
-
-    def finish(self) -> None:
-        self._parse(self._status.finish())
-        self.stdout.finish()
-        self.stderr.finish()
-
-    @property
-    def printed(self) -> bool:
-        return bool(self.stdout.lines or self.stderr.lines)
-
-    def pid(self) -> int | None:
-        """The process of the rank's last attempt; None if none has started."""
-        starts = [e for e in self.events if e["event"] == "start"]
-        return starts[-1]["pid"] if starts else None
-
-    def groups(self) -> set[int]:
-        """The process group of every attempt so far; a rank's own children (DataLoader workers) are in it."""
-        self._parse(self._status.poll())
-        return {e["pgid"] for e in self.events if e["event"] == "start"}
-
-    def record(self, **evidence: object) -> diagnose.RankRecord:
-        return diagnose.rank_record(self.rank, self.events, **evidence)
-
-    def _parse(self, lines: list[str]) -> None:
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:  # a line cut short: its process was killed while writing it
-                continue
-            if isinstance(event, dict) and "event" in event:
-                self.events.append(event)
-
-
-class _Lines:
-    """Follows one file as it grows and turns what arrives into whole lines, echoed to ``out``."""
-
-    def __init__(self, path: str, prefix: str = "", out: TextIO | None = None):
-        self.path, self.prefix, self.out = path, prefix, out
-        self.lines: list[str] = []
-        self._partial, self._file, self._done = b"", None, False
-
-    def poll(self) -> list[str]:
-        """The lines completed since the last call."""
-        if self._file is None:
-            if self._done:
-                return []
-            try:
-                self._file = open(self.path, "rb")
-            except FileNotFoundError:
-                return []
-        data = self._file.read()
-        if not data:
-            return []
-        *complete, self._partial = (self._partial + data).split(b"\n")
-        return self._emit(complete)
-
-    def finish(self) -> list[str]:
-        """The last lines, a final one without its newline included; the file is closed after."""
-        new = self.end_line()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        self._done = True
-        return new
-
-    def mute(self) -> None:
-        """Keep the lines that arrive from now on, without echoing them."""
-        self.out = None
-
-    def end_line(self) -> list[str]:
-        """A last line that has no newline yet, as a line of its own (a cell's output ends there)."""
-        new = self.poll()
-        if self._partial:
-            new += self._emit([self._partial])
-            self._partial = b""
-        return new
-
-    def _emit(self, raw: list[bytes]) -> list[str]:
-        new = [b.decode("utf-8", errors="replace").removesuffix("\r") for b in raw]
-        self.lines.extend(new)
-        if self.out is not None and new:
-            self.out.write("".join(f"{self.prefix}{line}\n" for line in new))
-        return new
-
-
 # ---- small helpers -------------------------------------------------------------------------------------
 
 
-def _check_job(
-    script: str | os.PathLike,
-    cwd: str | os.PathLike | None,
-    env: object,
-    backend: object,
-    **flags: object,
-) -> tuple[str, str, str]:
-    """The checks torchrun() and sbatch() share; the script as given, its path and the run's folder."""
+def _check_env(env: object) -> dict[str, str]:
     if env is not None and not isinstance(env, Mapping):
         raise TypeError(f"env must be a dict of variables such as {{'NCCL_DEBUG': 'INFO'}}, not {env!r}")
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, not {flag!r}")
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None (let the script choose), not {backend!r}")
+    return {str(k): str(v) for k, v in (env or {}).items()}
+
+
+def _check_flag(name: str, flag: object) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be True or False, not {flag!r}")
+
+
+def _check_cwd(cwd: str | os.PathLike | None) -> str:
     run_cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(run_cwd):
         raise FileNotFoundError(f"cwd {run_cwd!r} is not a folder")
-    script = os.fspath(script)
-    script_path = os.path.join(run_cwd, script)
-    if not os.path.isfile(script_path):
-        raise FileNotFoundError(
-            f"script {script!r} not found (looked for {script_path}). Write it first "
-            f"(e.g. with a %%writefile cell) or pass cwd= the folder it is relative to."
-        )
-    return script, script_path, run_cwd
+    return run_cwd
 
 
-def _check_count(name: str, value: object) -> int:
+def check_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a whole number such as 2, not {value!r} ({type(value).__name__})")
     if value < 1:
@@ -705,7 +605,7 @@ def _check_count(name: str, value: object) -> int:
     return value
 
 
-def _check_seconds(name: str, value: object) -> float | None:
+def check_seconds(name: str, value: object) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
@@ -721,7 +621,7 @@ def _check_grace(value: object) -> float:
     return float(value)
 
 
-def _check_flags(flags: object) -> list[str]:
+def check_flags(flags: object) -> list[str]:
     if isinstance(flags, (str, bytes)):
         raise TypeError(
             f"torchrun_args must be a list of flags, one string per flag, such as "
@@ -779,37 +679,3 @@ def _node_args(nnodes: int, run_id: str) -> list[list[str]]:
         ]
         for i in range(nnodes)
     ]
-
-
-def _alive(target: int, group: bool = False) -> bool:
-    """Whether a process (not a zombie) or, with ``group``, any member of a process group still exists."""
-    try:
-        (os.killpg if group else os.kill)(target, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if not group:
-        try:
-            with open(f"/proc/{target}/stat", "rb") as f:
-                # An exited process that is not reaped yet is a zombie ("Z"): it answers no signal.
-                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-        except (OSError, IndexError):
-            pass
-    return True
-
-
-def _signal_groups(pgids: Iterable[int], sig: int) -> None:
-    for pgid in pgids:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _flush() -> None:
-    for out in (sys.stdout, sys.stderr):
-        try:
-            out.flush()
-        except (OSError, ValueError):
-            pass

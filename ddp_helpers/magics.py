@@ -41,21 +41,22 @@ def _environment(text: str) -> tuple[str, str]:
     return name, value
 
 
-START = MagicArgumentParser(prog="%ranks start", description="Start a group of ranks under torchrun.")
+# IPython writes a parser's usage with a "%" before its prog: "ranks start" reads "%ranks start".
+START = MagicArgumentParser(prog="ranks start", description="Start a group of ranks under torchrun.")
 START.add_argument("-n", "--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
 START.add_argument("--nnodes", type=int, default=1, help="simulated nodes (default 1)")
 START.add_argument("--backend", choices=("gloo", "nccl"), help="default: as the series' scripts choose")
 START.add_argument(
     "--timeout",
     type=_seconds,
-    default=launcher.DEFAULT_TIMEOUT,
-    help=f"seconds the start, and each cell by default, may take (default {launcher.DEFAULT_TIMEOUT:g})",
+    default=launcher.LAUNCH_TIMEOUT,
+    help=f"seconds the start, and each cell by default, may take (default {launcher.LAUNCH_TIMEOUT:g})",
 )
 START.add_argument("--stall-timeout", type=_seconds, help="each cell's default stall limit (default none)")
 START.add_argument("--env", type=_environment, action="append", default=[], help="NAME=VALUE for the ranks")
 START.add_argument("--cold", action="store_true", help="a fresh torchrun process instead of the warm one")
 
-CELL = MagicArgumentParser(prog="%%ranks", description="Run the cell on every rank (or on --ranks).")
+CELL = MagicArgumentParser(prog="%ranks", description="Run the cell on every rank (or on --ranks).")
 CELL.add_argument("--ranks", type=_rank_list, help="the ranks to run it on, such as 0,2 (default: all)")
 CELL.add_argument(
     "--timeout", type=_seconds, default=GROUP_DEFAULT, help="seconds the cell may take (default: the group's)"
@@ -74,6 +75,28 @@ CELL.add_argument(
 )
 
 
+def _usage(parser: MagicArgumentParser) -> str:
+    """A parser's usage, as IPython prints it for a wrong argument: every option, written once, there."""
+    return parser.format_usage().removeprefix("::\n\n").rstrip()
+
+
+HELP = f"""Run code on every rank of a live process group.
+
+{_usage(START)}
+    Start N ranks under real torchrun, each in an initialised process group (gloo on the CPU, or NCCL
+    with a GPU per rank, as the series' scripts choose), with ``rank``, ``local_rank``,
+    ``world_size``, ``device``, ``torch`` and ``dist`` defined. A running group is stopped first.
+{_usage(CELL)}
+    Run the cell on every rank (or those listed), each in its own namespace that lasts between
+    cells; their lines are shown live as [rank N]; returns {{rank: value of the last expression}}.
+    An exception on some ranks raises CellError (the group runs on); a hang, or an interrupt that a
+    rank blocked in a collective cannot answer, raises JobHungError after naming the stuck rank and
+    ending the group; a rank that dies raises JobFailedError.
+  %ranks stop
+    End the ranks. A kernel restart, or the kernel's death, ends them too.
+"""
+
+
 @magics_class
 class RankMagics(Magics):
     """``%ranks start|stop`` and ``%%ranks``; holds this kernel's one ``RankGroup``."""
@@ -82,22 +105,6 @@ class RankMagics(Magics):
 
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> dict[int, object] | None:
-        """Run code on every rank of a live process group.
-
-        %ranks start [-n 2] [--nnodes K] [--backend gloo|nccl] [--timeout S] [--stall-timeout S]
-                     [--env NAME=VALUE] [--cold]
-            Start N ranks under real torchrun, each in an initialised process group (gloo on the CPU, or NCCL
-            with a GPU per rank, as the series' scripts choose), with ``rank``, ``local_rank``,
-            ``world_size``, ``device``, ``torch`` and ``dist`` defined. A running group is stopped first.
-        %%ranks [--ranks 0,2] [--timeout S] [--stall-timeout S] [--max-bytes N]
-            Run the cell on every rank (or those listed), each in its own namespace that lasts between
-            cells; their lines are shown live as [rank N]; returns {rank: value of the last expression}.
-            An exception on some ranks raises CellError (the group runs on); a hang, or an interrupt that a
-            rank blocked in a collective cannot answer, raises JobHungError after naming the stuck rank and
-            ending the group; a rank that dies raises JobFailedError.
-        %ranks stop
-            End the ranks. A kernel restart, or the kernel's death, ends them too.
-        """
         __tracebackhide__ = True
         if cell is not None:
             return self._cell(line, cell)
@@ -110,22 +117,24 @@ class RankMagics(Magics):
             raise UsageError(f"%ranks {line.strip()!r}: {USAGE}")
         return None
 
+    ranks.__doc__ = HELP
+
     def _start(self, line: str) -> None:
         __tracebackhide__ = True
         args = START.parse_argstring(line)
         if self.group is not None and not self.group.closed:
             print(f"ddp_helpers: stopping the running group of {self.group.world_size} rank(s) first")
             self._stop(quiet=True)
-        self.group = RankGroup(
-            args.nproc_per_node,
+        options = launcher.LaunchOptions(
+            nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,
             timeout=args.timeout,
             stall_timeout=args.stall_timeout,
             env=dict(args.env),
             backend=args.backend,
             warm=not args.cold,
-            restart=f"%ranks start {line}".strip(),
         )
+        self.group = RankGroup.from_options(options, restart=f"%ranks start {line}".strip())
         devices = ", ".join(sorted(set(self.group.devices.values())))
         print(
             f"ddp_helpers: {self.group.world_size} rank(s) ready ({self.group.backend}, {devices}); "
@@ -148,8 +157,9 @@ class RankMagics(Magics):
         if self.group is None or self.group.closed:
             self.group = None
             raise UsageError("no ranks are running: start them with %ranks start -n 2 first")
+        group = self.group
         try:
-            values = self.group.run(
+            values = group.run(
                 cell,
                 args.ranks,
                 timeout=args.timeout,
@@ -157,9 +167,9 @@ class RankMagics(Magics):
                 max_bytes=args.max_bytes,
             )
         finally:
-            if self.group.closed:  # it hung or a rank died: the error says how to start again
+            if group.closed:  # it hung or a rank died: the error says how to start again
                 self.group = None
-        return values if _repl.split_cell(cell, "<cell>").last is not None else None
+        return values if group.cell_has_value else None
 
 
 def load(ipython) -> None:

@@ -1,11 +1,12 @@
 """A rank group: N ranks under real torchrun, kept alive across notebook cells, each running the cells sent.
 
-``RankGroup`` starts its ranks as ``torchrun()`` starts a job, with the launcher's own parts (``_plan``: every
-argument checked, the backend, the warm agent; ``_Launch``: the run folder, the lifeline, the agents, each
-rank's files), and keeps the launch open; the script is the rank REPL (``_repl``). A cell goes to the chosen
-ranks over the run folder's socket (``_protocol``); while they run it their lines are shown live, as a launch
-shows them, and ``diagnose.Watch`` decides when the cell hangs. A hang or a dead rank ends the group with the
-launcher's diagnosis; an exception in the cell does not (``CellError``). The ``%ranks`` magics are ``magics``.
+``RankGroup`` starts its ranks as ``torchrun()`` starts a job, with the launcher's own parts
+(``LaunchOptions``: every option checked; ``plan_launch``: the backend, the warm agent; ``Launch``: the run
+folder, the lifeline, the agents, each rank's files), and keeps the launch open; the script is the rank REPL
+(``_repl``). A cell goes to the chosen ranks over the run folder's socket (``_protocol``); while they run it
+their lines are shown live, as a launch shows them (``_run_folder.follow``), and ``diagnose.Watch`` decides
+when the cell hangs. A hang or a dead rank ends the group with the launcher's diagnosis; an exception in the
+cell does not (``CellError``). The ``%ranks`` magics are ``magics``.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from dataclasses import dataclass
 
 from ddp_helpers import _protocol as protocol
 from ddp_helpers import _repl, _strict, diagnose, launcher
+from ddp_helpers._run_folder import POLL_INTERVAL, Progress, flush_output, follow
 from ddp_helpers.outcome import CellError, Hang, JobFailedError
 
 __all__ = ["GROUP_DEFAULT", "RankGroup"]
 
 _REPL = os.path.abspath(_repl.__file__)
-STOP_WAIT = (
-    launcher.NODE_FAILURE_GRACE
-)  # after %ranks stop, how long the ranks get to leave before being killed
+STOP_WAIT = 10.0  # after %ranks stop, how long the ranks get to leave before being killed
 GROUP_DEFAULT = object()  # a cell's limit left to its group's (``RankGroup(timeout=, stall_timeout=)``)
 
 
@@ -102,7 +102,7 @@ class RankGroup:
         nproc_per_node: int = 2,
         *,
         nnodes: int = 1,
-        timeout: float | None = launcher.DEFAULT_TIMEOUT,
+        timeout: float | None = launcher.LAUNCH_TIMEOUT,
         stall_timeout: float | None = None,
         env: Mapping[str, object] | None = None,
         cwd: str | os.PathLike | None = None,
@@ -114,8 +114,7 @@ class RankGroup:
         """Start the ranks and wait until each has joined the process group. The arguments are those of
         ``torchrun()``; ``timeout`` and ``stall_timeout`` are each cell's defaults too; ``restart`` says what
         starts a group again."""
-        self.job = launcher._plan(
-            script=_REPL,
+        options = launcher.LaunchOptions(
             nproc_per_node=nproc_per_node,
             nnodes=nnodes,
             timeout=timeout,
@@ -126,18 +125,34 @@ class RankGroup:
             grace=grace,
             warm=warm,
         )
+        self._start(launcher.plan_launch(_REPL, (), options), restart)
+
+    @classmethod
+    def from_options(cls, options: launcher.LaunchOptions, restart: str = "RankGroup(...)") -> RankGroup:
+        """A group started from options built already (``%ranks start``), as ``RankGroup(...)`` starts one."""
+        __tracebackhide__ = True
+        group = cls.__new__(cls)
+        group._start(launcher.plan_launch(_REPL, (), options), restart)
+        return group
+
+    def _start(self, job: launcher.LaunchPlan, restart: str) -> None:
+        __tracebackhide__ = True
+        self.job = job
+        self.options = job.options
         self.restart = restart
-        self.cells = 0  # cells sent so far; cell n is compiled as "<ranks cell n>"
+        self.cells = 0  # cells sent so far; cell n is compiled as _repl.cell_filename(n)
+        # Whether the last cell sent ends with an expression (``%%ranks`` then shows the values).
+        self.cell_has_value = False
         self.closed = False
         self.conns: dict[int, _Connection] = {}
         self._interrupt_point = _SafeInterrupt()  # where a cell's interrupt may land (``run``)
         self._stack = contextlib.ExitStack()  # what leaving the group undoes, last in first out
         try:
-            self.launch = self._stack.enter_context(launcher._Launch(self.job))
+            self.launch = self._stack.enter_context(launcher.Launch(self.job))
             listener = self._stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
             self._stack.callback(self._close_connections)
             listener.bind(protocol.cells_socket(self.launch.run_dir))
-            listener.listen(self.job.world_size)
+            listener.listen(self.world_size)
             self.backend = self._wait_ready(listener)
         except BaseException as e:
             self._close(e)
@@ -146,7 +161,7 @@ class RankGroup:
 
     @property
     def world_size(self) -> int:
-        return self.job.world_size
+        return self.options.world_size
 
     def __enter__(self) -> RankGroup:
         return self
@@ -160,39 +175,54 @@ class RankGroup:
         """Accept each rank's connection and its ready message, showing the ranks' lines meanwhile, and return
         the backend; a rank that fails or a start that hangs ends the launch with the launcher's diagnosis."""
         __tracebackhide__ = True
-        watch = diagnose.Watch(self.launch.start, self.job.timeout, self.job.stall_timeout)
-        unknown: dict[socket.socket, protocol.MessageReader] = {}
-        backends = set()
-        while len(self.conns) < self.world_size:
-            readable, _, _ = select.select([listener, *unknown], [], [], launcher.POLL_INTERVAL)
+        unknown: dict[socket.socket, protocol.MessageReader] = {}  # connected, not ready yet
+        backends: set[str] = set()
+
+        def look() -> Progress:
+            __tracebackhide__ = True
+            readable, _, _ = select.select([listener, *unknown], [], [], POLL_INTERVAL)
             for sock in readable:
-                if sock is listener:
-                    conn, _ = listener.accept()
-                    unknown[conn] = protocol.MessageReader()
-                    continue
-                try:
-                    unknown[sock].receive(sock)
-                except (EOFError, OSError):
-                    del unknown[sock]
-                    sock.close()
-                    continue
-                if unknown[sock].messages:
-                    hello = unknown[sock].messages.pop(0)
-                    rank = hello["ready"]
-                    backends.add(hello["backend"])
-                    self.conns[rank] = _Connection(sock, unknown.pop(sock), hello["pid"], hello["device"])
+                self._greet(sock, listener, unknown, backends)
             new_lines = self.launch.poll()
-            if any(code is not None for code in self.launch.agents.poll()):
+            if not self.launch.agents_running():
                 for sock in unknown:
                     sock.close()
                 self._ended(None, note="")
-            hang = watch.check(time.monotonic(), new_lines, all(r.printed for r in self.launch.ranks))
-            if hang is not None:
-                for sock in unknown:
-                    sock.close()
-                self._hung(hang, self.job.script_path, idle={}, note="")
+            everyone = all(r.printed for r in self.launch.ranks)
+            return Progress(new_lines, len(self.conns) == self.world_size, everyone)
+
+        watch = diagnose.Watch(self.launch.start, self.options.timeout, self.options.stall_timeout)
+        hang = follow(look, watch, pause=0)
+        if hang is not None:
+            for sock in unknown:
+                sock.close()
+            self._hung(hang, self.job.script_path, idle={}, note="")
         (backend,) = backends  # every rank chose as environment.choose_backend does, under one environment
         return backend
+
+    def _greet(
+        self,
+        sock: socket.socket,
+        listener: socket.socket,
+        unknown: dict[socket.socket, protocol.MessageReader],
+        backends: set[str],
+    ) -> None:
+        """A new connection on ``listener``, or what one that is not ready yet sent: once its ready message
+        is in, the rank's connection."""
+        if sock is listener:
+            conn, _ = listener.accept()
+            unknown[conn] = protocol.MessageReader()
+            return
+        try:
+            unknown[sock].receive(sock)
+        except (EOFError, OSError):
+            del unknown[sock]
+            sock.close()
+            return
+        if unknown[sock].messages:
+            hello = unknown[sock].messages.pop(0)
+            backends.add(hello["backend"])
+            self.conns[hello["ready"]] = _Connection(sock, unknown.pop(sock), hello["pid"], hello["device"])
 
     # ---- running a cell -----------------------------------------------------------------------------------
 
@@ -215,15 +245,16 @@ class RankGroup:
         __tracebackhide__ = True
         self._check_open()
         chosen = _check_ranks(ranks, self.world_size)
-        timeout = launcher._check_seconds(
-            "timeout", self.job.timeout if timeout is GROUP_DEFAULT else timeout
+        timeout = launcher.check_seconds(
+            "timeout", self.options.timeout if timeout is GROUP_DEFAULT else timeout
         )
-        stall = self.job.stall_timeout if stall_timeout is GROUP_DEFAULT else stall_timeout
-        stall = launcher._check_seconds("stall_timeout", stall)
+        stall = self.options.stall_timeout if stall_timeout is GROUP_DEFAULT else stall_timeout
+        stall = launcher.check_seconds("stall_timeout", stall)
         max_bytes = _check_limit(max_bytes)
         self.cells += 1
-        filename = f"{_repl.CELL_PREFIX}{self.cells}>"
-        _repl.split_cell(code, filename)  # a SyntaxError stops here, before any rank sees the cell
+        filename = _repl.cell_filename(self.cells)
+        # Compiled here only to check it: a SyntaxError stops here, before any rank sees the cell.
+        self.cell_has_value = _repl.split_cell(code, filename).last is not None
         for rank in self.launch.ranks:
             rank.show(True)  # to where this cell's output goes
         message = {"cell": self.cells, "code": code, "filename": filename, "max_bytes": max_bytes}
@@ -276,36 +307,46 @@ class RankGroup:
         first, else None once every reply is in (and every line written before it shown)."""
         __tracebackhide__ = True
         pending = {self.conns[r].sock: r for r in chosen if r not in replies}
-        while pending:
+
+        def look() -> Progress:
+            __tracebackhide__ = True
             with self._interrupt_point.waiting():
-                readable, _, _ = select.select(list(pending), [], [], launcher.POLL_INTERVAL)
+                readable, _, _ = select.select(list(pending), [], [], POLL_INTERVAL)
             replied = False
             for sock in readable:
                 rank = pending[sock]
-                conn = self.conns[rank]
-                try:
-                    conn.reader.receive(sock)
-                except (EOFError, OSError):
-                    self._ended(rank)
-                if conn.reader.messages:
-                    reply = conn.reader.messages.pop(0)
-                    if reply.get("cell") != self.cells:
-                        raise RuntimeError(f"rank {rank} answered cell {reply.get('cell')}, not {self.cells}")
-                    replies[rank] = reply
+                if self._receive(rank, replies):
                     del pending[sock]
                     replied = True
             new_lines = self.launch.poll()
-            if any(code is not None for code in self.launch.agents.poll()):
+            if not self.launch.agents_running():
                 self._ended(None)
-            hang = watch.check(time.monotonic(), new_lines or replied, True)
-            if hang is not None and pending:
-                return hang
+            return Progress(new_lines or replied, done=not pending)
+
+        hang = follow(look, watch, pause=0) if pending else None
+        if hang is not None:
+            return hang
         self.launch.poll()  # a rank flushes before it replies: its last lines are in its files now
         for rank in self.launch.ranks:
             rank.stdout.end_line()
             rank.stderr.end_line()
-        launcher._flush()
+        flush_output()
         return None
+
+    def _receive(self, rank: int, replies: dict[int, dict]) -> bool:
+        """Read what ``rank`` sent; True once its reply to this cell is in ``replies``."""
+        conn = self.conns[rank]
+        try:
+            conn.reader.receive(conn.sock)
+        except (EOFError, OSError):
+            self._ended(rank)
+        if not conn.reader.messages:
+            return False
+        reply = conn.reader.messages.pop(0)
+        if reply.get("cell") != self.cells:
+            raise RuntimeError(f"rank {rank} answered cell {reply.get('cell')}, not {self.cells}")
+        replies[rank] = reply
+        return True
 
     def _interrupt(self, chosen: list[int], replies: dict[int, dict]) -> Hang | None:
         """Interrupt the ranks still running the cell, and wait ``grace`` seconds for their replies (a second
@@ -317,7 +358,7 @@ class RankGroup:
                     os.kill(self.conns[r].pid, signal.SIGINT)
                 except ProcessLookupError:
                     pass
-        grace = self.job.grace
+        grace = self.options.grace
         try:
             if self._replies(chosen, replies, diagnose.Watch(time.monotonic(), grace, None)) is None:
                 return None
@@ -371,7 +412,7 @@ class RankGroup:
             text = texts[r].rstrip("\n")
             if text:
                 sys.stderr.write("".join(f"[rank {r}] {line}\n" for line in text.split("\n")))
-        launcher._flush()
+        flush_output()
 
     # ---- the end of a group -------------------------------------------------------------------------------
 
@@ -379,15 +420,13 @@ class RankGroup:
         """End the group as hung: each rank's stack dumped and placed, all stopped; ``JobHungError``."""
         __tracebackhide__ = True
         try:
-            records = [
-                dataclasses.replace(record, idle=idle.get(record.rank)) for record in self.launch.hung_ranks()
-            ]
+            evidence = [dataclasses.replace(e, idle=idle.get(e.rank)) for e in self.launch.hung_ranks()]
             self.launch.stop()
             result, _ = self.launch.collect()
         finally:
             self._close()
         _strict.raise_checked(
-            diagnose.hang_error(result, hang, records, script, note=note), self.job.gloo_pinned
+            diagnose.hang_error(result, hang, evidence, script, note=note), self.job.gloo_pinned
         )
 
     def _ended(self, rank: int | None, note: str | None = None) -> None:
@@ -395,26 +434,22 @@ class RankGroup:
         or they are stopped after a grace period; ``JobFailedError`` with the launcher's diagnosis."""
         __tracebackhide__ = True
         try:
-            end = time.monotonic() + launcher.NODE_FAILURE_GRACE
-            while self.launch.agents.running() and time.monotonic() < end:
-                self.launch.poll()
-                time.sleep(launcher.POLL_INTERVAL)
+            self.launch.wait_for_agents(launcher.NODE_FAILURE_GRACE)
             self.launch.stop()
-            result, records = self.launch.collect()
+            result, evidence = self.launch.collect()
         finally:
             self._close()
         note = self._gone() if note is None else note
-        if any(record.failed for record in records.values()) or rank is None:
-            _strict.raise_checked(diagnose.failure_error(result, records, note=note), self.job.gloo_pinned)
-        how = (
-            diagnose.describe_exit(records[rank].exitcode) if records[rank].exitcode is not None else "ended"
-        )
+        if any(e.failed for e in evidence.values()) or rank is None:
+            _strict.raise_checked(diagnose.failure_error(result, evidence, note=note), self.job.gloo_pinned)
+        exitcode = evidence[rank].exitcode
+        how = diagnose.describe_exit(exitcode) if exitcode is not None else "ended"
         left = JobFailedError(
             f"rank {rank} left the group: its process {how} while the others ran on, so they were "
             f"stopped.\n{note}",
             result,
             rank=rank,
-            exitcode=records[rank].exitcode,
+            exitcode=exitcode,
         )
         _strict.raise_checked(left, self.job.gloo_pinned)
 
@@ -427,11 +462,7 @@ class RankGroup:
             return
         try:
             self._close_connections()  # each rank reads end of file, leaves the process group and exits
-            end = time.monotonic() + STOP_WAIT
-            while self.launch.agents.running() and time.monotonic() < end:
-                self.launch.poll()
-                time.sleep(launcher.POLL_INTERVAL)
-            self.launch.poll()
+            self.launch.wait_for_agents(STOP_WAIT)
         finally:
             self._close()
 

@@ -31,23 +31,23 @@ from dataclasses import dataclass, field
 
 from ddp_helpers import _protocol as protocol
 from ddp_helpers import _strict, diagnose
-from ddp_helpers.launcher import (
-    _PACKAGE_PARENT,
-    POLL_INTERVAL,
-    _check_count,
-    _check_flags,
-    _check_job,
-    _check_seconds,
-    _flush,
-    _Lines,
-    _live_ranks,
-    _Rank,
+from ddp_helpers._procs import live_processes
+from ddp_helpers._run_folder import (
+    LineFollower,
+    Progress,
+    RankFiles,
+    dump_stacks,
+    flush_output,
+    follow,
+    read_failure_records,
 )
+from ddp_helpers.launcher import PACKAGE_PARENT, LaunchOptions, check_count, check_flags
 from ddp_helpers.outcome import Hang, TorchrunError, TorchrunResult
 
 __all__ = ["SlurmJob", "SlurmResult", "job_processes", "practice_cluster_missing", "sbatch"]
 
-DEFAULT_TIMEOUT = 600.0  # seconds the job may run once it started (its time in the queue does not count)
+JOB_RUN_TIMEOUT = 600.0  # seconds the job may run once it started (its time in the queue does not count)
+WAIT_LIMIT = 600.0  # wait_until's bound unless the caller gives one: a bound for failures only
 STATE_INTERVAL = 0.5  # how often scontrol is asked for the job's state while it runs
 # Once a job is cancelled, SLURM signals its processes (SIGTERM, then SIGKILL KillWait seconds later, 30 by
 # default) and lists it in squeue until they are gone: this only bounds a failure of SLURM itself.
@@ -77,7 +77,7 @@ def sbatch(
     *args: object,
     nodes: int = 2,
     nproc_per_node: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
+    timeout: float | None = JOB_RUN_TIMEOUT,
     stall_timeout: float | None = None,
     env: Mapping[str, object] | None = None,
     cwd: str | os.PathLike | None = None,
@@ -107,9 +107,7 @@ def sbatch(
     traceback, or ``JobHungError``; both are ``TorchrunError``. The job is cancelled on a timeout, a stall
     or an interrupt, and the call returns only once ``squeue`` no longer lists it; its run folder is removed.
     """
-    job = _plan(
-        script,
-        args,
+    options = SbatchOptions(
         nodes=nodes,
         nproc_per_node=nproc_per_node,
         timeout=timeout,
@@ -120,10 +118,15 @@ def sbatch(
         backend=backend,
         torchrun_args=torchrun_args,
         sbatch_args=sbatch_args,
+        show_script=show_script,
         show_agent=show_agent,
     )
-    if show_script:
-        print(f"ddp_helpers: the batch script, to save as {job.batch_name}:\n{job.shown_script}", flush=True)
+    job = _plan(script, args, options)
+    if options.show_script:
+        print(
+            f"ddp_helpers: the batch script, to save as {job.batch_name}:\n{job.batch_script_to_copy}",
+            flush=True,
+        )
         print(f"ddp_helpers: then type: {job.command}", flush=True)
     os.makedirs(job.run_dir)
     try:
@@ -149,89 +152,73 @@ class SlurmResult(TorchrunResult):
     batch_script: str = ""  # the batch script to copy (as shown)
 
 
-@dataclass
-class _SlurmJob:
+@dataclass(frozen=True, kw_only=True)
+class SbatchOptions(LaunchOptions):
+    """``sbatch()``'s options: those of ``LaunchOptions`` (``nnodes``, ``grace`` and ``warm`` are
+    ``torchrun()``'s and keep their defaults here), and the job's ``nodes``, ``sbatch_args`` and
+    ``show_script``. ``timeout`` counts from the moment SLURM runs the job."""
+
+    nodes: int = 2
+    timeout: float | None = JOB_RUN_TIMEOUT
+    sbatch_args: Sequence[str] = ()
+    show_script: bool = True
+
+    def __post_init__(self) -> None:
+        self._keep(nodes=check_count("nodes", self.nodes))
+        super().__post_init__()
+        self._keep(sbatch_args=tuple(check_flags(self.sbatch_args)))
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class _SbatchPlan:
     """Everything an ``sbatch()`` launch needs, checked before anything is submitted."""
 
-    script: str
+    options: SbatchOptions
     script_path: str
-    cwd: str
     run_dir: str
-    world_size: int
     batch_name: str
-    shown_script: str
+    batch_script_to_copy: str
     submitted_script: str
     command: str
     sbatch_argv: list[str]
     env: dict[str, str]
-    live: set[int]
-    show_agent: bool
-    timeout: float | None
-    stall_timeout: float | None
     gloo_pinned: bool = False  # gloo on every machine (``_strict``: what strict mode asks of a hang)
 
 
-def _plan(
-    script: str | os.PathLike,
-    args: Sequence[object] = (),
-    *,
-    nodes: int = 2,
-    nproc_per_node: int = 1,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    stall_timeout: float | None = None,
-    env: Mapping[str, object] | None = None,
-    cwd: str | os.PathLike | None = None,
-    live: bool | Iterable[int] = True,
-    backend: str | None = None,
-    torchrun_args: Sequence[str] = (),
-    sbatch_args: Sequence[str] = (),
-    show_agent: bool = False,
-) -> _SlurmJob:
-    """Check every argument (bad input fails here, before anything is submitted) and write the scripts."""
-    nodes = _check_count("nodes", nodes)
-    nproc_per_node = _check_count("nproc_per_node", nproc_per_node)
-    timeout = _check_seconds("timeout", timeout)
-    stall_timeout = _check_seconds("stall_timeout", stall_timeout)
-    torchrun_args = _check_flags(torchrun_args)
-    sbatch_args = _check_flags(sbatch_args)
-    script, script_path, run_cwd = _check_job(script, cwd, env, backend, show_agent=show_agent)
+def _plan(script: str | os.PathLike, args: Sequence[object], options: SbatchOptions) -> _SbatchPlan:
+    """Check the script and write the batch scripts (bad input fails here, before anything is submitted)."""
+    script, script_path = options.script_path(script)
     if shutil.which("sbatch") is None:
         raise FileNotFoundError(
             "sbatch is not on PATH: this machine is not a SLURM login node. Run sbatch() where `sbatch` "
             "works (on a cluster's login node), or torchrun() to run on this machine."
         )
-    world_size = nodes * nproc_per_node
-    shown = _live_ranks(live, world_size)
     stem = os.path.splitext(os.path.basename(script))[0]
-    run_dir = os.path.join(run_cwd, ".ddp_helpers", f"slurm-{stem}-{uuid.uuid4().hex[:12]}")
+    run_dir = os.path.join(options.cwd, ".ddp_helpers", f"slurm-{stem}-{uuid.uuid4().hex[:12]}")
     program = [script, *map(str, args)]
-    options = dict(nodes=nodes, nproc_per_node=nproc_per_node, timeout=timeout, torchrun_args=torchrun_args)
+    shape = dict(
+        nodes=options.nodes,
+        nproc_per_node=options.nproc_per_node,
+        timeout=options.timeout,
+        torchrun_args=options.torchrun_args,
+    )
     batch_name = f"{stem}.sbatch"
-    shown_script = batch_script(f"ddp-{stem}", program, **options)
-    submitted_script = batch_script(f"ddp-{stem}", program, run_dir=run_dir, **options)
-    command = shlex.join(["sbatch", *sbatch_args, batch_name])
-
-    job_env = job_environment({**(env or {}), **({"DDP_BACKEND": backend} if backend else {})})
-    given = {**os.environ, **{str(k): str(v) for k, v in (env or {}).items()}}
-    pinned = _strict.gloo_pinned(backend, given, script_path)
-    sbatch_argv = ["sbatch", "--parsable", *sbatch_args, os.path.join(run_dir, batch_name)]
-    return _SlurmJob(
-        script,
-        script_path,
-        run_cwd,
-        run_dir,
-        world_size,
-        batch_name,
-        shown_script,
-        submitted_script,
-        command,
-        sbatch_argv,
-        job_env,
-        shown,
-        show_agent,
-        timeout,
-        stall_timeout,
-        pinned,
+    backend = {"DDP_BACKEND": options.backend} if options.backend else {}
+    return _SbatchPlan(
+        options=options,
+        script_path=script_path,
+        run_dir=run_dir,
+        batch_name=batch_name,
+        batch_script_to_copy=batch_script(f"ddp-{stem}", program, **shape),
+        submitted_script=batch_script(f"ddp-{stem}", program, run_dir=run_dir, **shape),
+        command=shlex.join(["sbatch", *options.sbatch_args, batch_name]),
+        sbatch_argv=["sbatch", "--parsable", *options.sbatch_args, os.path.join(run_dir, batch_name)],
+        env=job_environment({**options.env, **backend}),
+        gloo_pinned=_strict.gloo_pinned(options.backend, {**os.environ, **options.env}, script_path),
     )
 
 
@@ -243,7 +230,7 @@ def job_environment(env: Mapping[str, object] | None = None) -> dict[str, str]:
     job_env.update({str(k): str(v) for k, v in (env or {}).items()})
     python_dir = os.path.dirname(sys.executable)
     job_env["PATH"] = os.pathsep.join(p for p in (python_dir, job_env.get("PATH")) if p)
-    job_env["PYTHONPATH"] = os.pathsep.join(p for p in (job_env.get("PYTHONPATH"), _PACKAGE_PARENT) if p)
+    job_env["PYTHONPATH"] = os.pathsep.join(p for p in (job_env.get("PYTHONPATH"), PACKAGE_PARENT) if p)
     job_env["PYTHONUNBUFFERED"] = "1"
     return job_env
 
@@ -271,9 +258,8 @@ def batch_script(
         "#SBATCH --ntasks-per-node=1",
     ]
     if timeout is not None:
-        lines.append(
-            f"#SBATCH --time={math.ceil(timeout / 60) + 1}"
-        )  # a minute after ours: SLURM's own bound
+        # A minute after ours: SLURM's own bound.
+        lines.append(f"#SBATCH --time={math.ceil(timeout / 60) + 1}")
     if run_dir is not None:
         lines.append(f"#SBATCH --output={os.path.join(run_dir, 'batch.out')}")
     lines += [
@@ -303,72 +289,34 @@ def batch_script(
     return "\n".join(lines) + "\n"
 
 
-def _run(job: _SlurmJob) -> SlurmResult:
-    ranks = [_Rank(job.run_dir, r, r in job.live) for r in range(job.world_size)]
-    shown = sys.stderr if job.show_agent else None
-    hang: Hang | None = None
-    with SlurmJob.submit(job.sbatch_argv, cwd=job.cwd, env=job.env) as slurm:
-        print(f"ddp_helpers: submitted job {slurm.id} ({job.world_size} rank(s))", flush=True)
-        watch: diagnose.Watch | None = None
-        last_state, pending_said = 0.0, False
-        while True:
+def _run(job: _SbatchPlan) -> SlurmResult:
+    """Submit the planned job and follow it to its end, as ``torchrun()`` follows a launch."""
+    options = job.options
+    ranks = [RankFiles(job.run_dir, r, r in options.live) for r in range(options.world_size)]
+    with SlurmJob.submit(job.sbatch_argv, cwd=options.cwd, env=job.env) as slurm:
+        print(f"ddp_helpers: submitted job {slurm.id} ({options.world_size} rank(s))", flush=True)
+        clock = _JobClock(slurm, options)
+
+        def look() -> Progress:
             new_lines = any([r.poll() for r in ranks])
             if new_lines:
-                _flush()
-            now = time.monotonic()
-            if now - last_state > STATE_INTERVAL:
-                last_state = now
-                state = slurm.poll()
-                if state in ENDED:
-                    break
-                if state == "PENDING" and slurm.reason not in (None, "None") and not pending_said:
-                    print(f"ddp_helpers: job {slurm.id} waits in the queue ({slurm.reason})", flush=True)
-                    pending_said = True
-                if watch is None and state not in ("PENDING", "CONFIGURING", None):  # it runs: count from now
-                    watch = diagnose.Watch(now, job.timeout, job.stall_timeout)
-            if watch is not None:
-                hang = watch.check(now, new_lines, all(r.printed for r in ranks))
-                if hang is not None:
-                    break
-            time.sleep(POLL_INTERVAL)
+                flush_output()
+            return Progress(new_lines, clock.ended(time.monotonic()), all(r.printed for r in ranks))
+
+        hang = follow(look, clock)
         hung = _hung_ranks(ranks, slurm) if hang else []
         if hang:
             slurm.cancel()
         slurm.wait_gone()
     for rank in ranks:
         rank.finish()
-    agents = [
-        _Lines(protocol.agent_file(job.run_dir, i, kind), f"[torchrun node {i}] ", shown)
-        for i in range(len(slurm.node_list))
-        for kind in ("stdout", "stderr")
-    ]
-    batch = _Lines(os.path.join(job.run_dir, "batch.out"), "[batch] ", shown)
-    for log in (*agents, batch):
-        log.finish()
-    agent_output = [line for log in (*agents, batch) for line in log.lines]
-    failures = _failures(job.run_dir, len(slurm.node_list))
-    ok = slurm.state == "COMPLETED"
-    records = {r.rank: r.record(failure=failures.get(r.rank), agents_ok=ok) for r in ranks}
-    result = SlurmResult(
-        job.command,
-        0 if ok else exit_status(slurm.exit_code),
-        slurm.duration,
-        {r.rank: r.stdout.lines for r in ranks},
-        {r.rank: r.stderr.lines for r in ranks},
-        {r: record.exitcode for r, record in records.items()},
-        agent_output,
-        job_id=slurm.id,
-        state=slurm.state or "",
-        exit_code=slurm.exit_code or "",
-        nodes=slurm.node_list,
-        batch_script=job.shown_script,
-    )
+    result, evidence = _result(job, slurm, ranks)
     if hang:
         _strict.raise_checked(
             _cancelled(diagnose.hang_error(result, hang, hung, job.script_path), slurm.id), job.gloo_pinned
         )
-    if not ok:
-        error = diagnose.failure_error(result, records)
+    if slurm.state != "COMPLETED":
+        error = diagnose.failure_error(result, evidence)
         if error.rank is None:
             error = type(error)(f"job {slurm.id} ended {slurm.state} ({slurm.exit_code}); {error}", result)
         _strict.raise_checked(error, job.gloo_pinned)
@@ -376,47 +324,95 @@ def _run(job: _SlurmJob) -> SlurmResult:
     return result
 
 
+class _JobClock:
+    """The job's state, asked of scontrol every ``STATE_INTERVAL``, and ``diagnose.Watch`` from the moment
+    SLURM runs the job: its time in the queue never counts toward a timeout or a stall."""
+
+    def __init__(self, slurm: SlurmJob, options: SbatchOptions):
+        self.slurm, self.options = slurm, options
+        self.watch: diagnose.Watch | None = None
+        self.last_asked, self.said_pending = 0.0, False
+
+    def ended(self, now: float) -> bool:
+        """Whether the job has ended; on the way, say once why it waits in the queue, and start the Watch
+        once it runs."""
+        if now - self.last_asked <= STATE_INTERVAL:
+            return False
+        self.last_asked = now
+        state = self.slurm.poll()
+        if state in ENDED:
+            return True
+        if state == "PENDING" and self.slurm.reason not in (None, "None") and not self.said_pending:
+            print(f"ddp_helpers: job {self.slurm.id} waits in the queue ({self.slurm.reason})", flush=True)
+            self.said_pending = True
+        # It runs: count from now.
+        if self.watch is None and state not in ("PENDING", "CONFIGURING", None):
+            self.watch = diagnose.Watch(now, self.options.timeout, self.options.stall_timeout)
+        return False
+
+    def check(self, now: float, new_lines: bool, every_rank_printed: bool) -> Hang | None:
+        """The ``Hang`` once the job, since it started to run, has passed its timeout or stalled."""
+        return None if self.watch is None else self.watch.check(now, new_lines, every_rank_printed)
+
+
+def _result(
+    job: _SbatchPlan, slurm: SlurmJob, ranks: Sequence[RankFiles]
+) -> tuple[SlurmResult, dict[int, diagnose.RankEvidence]]:
+    """The ended job's result, with the agents' and the batch script's own lines, and each rank's evidence."""
+    echo_to = sys.stderr if job.options.show_agent else None
+    logs = [
+        LineFollower(protocol.agent_file(job.run_dir, i, kind), f"[torchrun node {i}] ", echo_to)
+        for i in range(len(slurm.node_list))
+        for kind in ("stdout", "stderr")
+    ]
+    logs.append(LineFollower(os.path.join(job.run_dir, "batch.out"), "[batch] ", echo_to))
+    for log in logs:
+        log.finish()
+    failures = read_failure_records(job.run_dir, len(slurm.node_list))
+    ok = slurm.state == "COMPLETED"
+    evidence = {r.rank: r.evidence(failure=failures.get(r.rank), agents_ok=ok) for r in ranks}
+    result = SlurmResult(
+        job.command,
+        0 if ok else exit_status(slurm.exit_code),
+        slurm.duration,
+        {r.rank: r.stdout.lines for r in ranks},
+        {r.rank: r.stderr.lines for r in ranks},
+        {r: e.exitcode for r, e in evidence.items()},
+        [line for log in logs for line in log.lines],
+        job_id=slurm.id,
+        state=slurm.state or "",
+        exit_code=slurm.exit_code or "",
+        nodes=slurm.node_list,
+        batch_script=job.batch_script_to_copy,
+    )
+    return result, evidence
+
+
 def _cancelled(error: TorchrunError, job_id: str) -> TorchrunError:
     error.args = (f"{error.args[0]}\nThe job {job_id} was cancelled (scancel); squeue no longer lists it.",)
     return error
 
 
-def _hung_ranks(ranks: Sequence[_Rank], slurm: SlurmJob) -> list[diagnose.RankRecord]:
-    """Every rank's record for a hang, with a stack dump from each rank whose process this machine sees (on
+def _hung_ranks(ranks: Sequence[RankFiles], slurm: SlurmJob) -> list[diagnose.RankEvidence]:
+    """Every rank's evidence for a hang, with a stack dump from each rank whose process this machine sees (on
     the practice cluster, all; on a real cluster the ranks run on other machines, and none come back)."""
-    from ddp_helpers.launcher import _dump_stacks
-
     for rank in ranks:
         rank.poll()
         rank.stderr.mute()
     here = set(job_processes(slurm.id))  # a pid from another machine must never be signalled here
     signalled = [r if r.pid() in here else _Elsewhere(r) for r in ranks]
-    stacks = _dump_stacks(signalled, lambda: any([r.poll() for r in ranks]))
-    return [rank.record(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in ranks]
+    stacks = dump_stacks(signalled, lambda: any([r.poll() for r in ranks]))
+    return [rank.evidence(alive=rank.rank in stacks, stack=stacks.get(rank.rank) or None) for rank in ranks]
 
 
 class _Elsewhere:
     """A rank whose process runs on another machine: no pid to signal from here."""
 
-    def __init__(self, rank: _Rank):
+    def __init__(self, rank: RankFiles):
         self.rank, self.stderr = rank.rank, rank.stderr
 
     def pid(self) -> None:
         return None
-
-
-def _failures(run_dir: str, count: int) -> dict[int, dict]:
-    """Torch's failure records that the agents wrote, by global rank."""
-    import json
-
-    failures: dict[int, dict] = {}
-    for i in range(count):
-        try:
-            with open(protocol.agent_file(run_dir, i, "failures"), encoding="utf-8") as f:
-                failures.update({int(k): v for k, v in json.load(f).items()})
-        except (FileNotFoundError, ValueError):
-            pass
-    return failures
 
 
 # ---- SLURM's side: a job, its state, its processes -------------------------------------------------------
@@ -452,7 +448,7 @@ def _slurm(
     return subprocess.run(argv, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT, env=env, cwd=cwd)
 
 
-def wait_until(condition: Callable[[], object], within: float = DEFAULT_TIMEOUT) -> object:
+def wait_until(condition: Callable[[], object], within: float = WAIT_LIMIT) -> object:
     """Poll ``condition`` until it returns something falsy or ``within`` seconds pass (a bound for failures
     only); its last answer."""
     end = time.monotonic() + within
@@ -474,7 +470,7 @@ class SlurmJob:
         self.exit_code: str | None = None
         self.reason: str | None = None
         self.node_list: list[str] = []
-        self.shown: dict[str, str] = {}
+        self.shown: dict[str, str] = {}  # scontrol's fields at the last look that found the job
         self.start = time.monotonic()
         self.duration = 0.0
 
@@ -494,15 +490,15 @@ class SlurmJob:
 
     def poll(self) -> str | None:
         """The job's state now (None if slurmctld does not know it); its exit code and nodes once known."""
-        shown = self.show()
-        if shown:
-            self.shown = shown
-            self.state, self.reason = shown.get("JobState"), shown.get("Reason")
-            if shown.get("NodeList") not in (None, "", "(null)") and not self.node_list:
-                listed = _slurm("scontrol", "show", "hostnames", shown["NodeList"]).stdout
+        fields = self.show()
+        if fields:
+            self.shown = fields
+            self.state, self.reason = fields.get("JobState"), fields.get("Reason")
+            if fields.get("NodeList") not in (None, "", "(null)") and not self.node_list:
+                listed = _slurm("scontrol", "show", "hostnames", fields["NodeList"]).stdout
                 self.node_list = listed.split()
             if self.state in ENDED:
-                self.exit_code = shown.get("ExitCode")
+                self.exit_code = fields.get("ExitCode")
                 self.duration = time.monotonic() - self.start
         return self.state
 
@@ -517,8 +513,8 @@ class SlurmJob:
 
     def queued(self) -> bool:
         """Whether squeue lists the job (pending, running or completing)."""
-        shown = _slurm("squeue", "-h", "-j", self.id, "-o", "%i").stdout
-        return self.id in shown.split()
+        listed = _slurm("squeue", "-h", "-j", self.id, "-o", "%i").stdout
+        return self.id in listed.split()
 
     def cancel(self) -> None:
         if self.queued():
@@ -571,21 +567,11 @@ class SlurmJob:
 def job_processes(job_id: str) -> dict[int, tuple[str, dict[str, str]]]:
     """pid: (command line, environment) of each live process of the job on this machine (its slurmstepd, the
     batch shell, srun, every torchrun agent and rank), read from /proc as ps does. On a login node: none."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":  # a zombie has ended already
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
-        except (OSError, IndexError):  # it ended meanwhile, or is not ours to read
-            continue
-        if env.get("SLURM_JOB_ID") == job_id or cmdline.startswith(f"slurmstepd: [{job_id}."):
-            found[int(pid)] = (cmdline, env)
-    return found
+    return {
+        p.pid: (p.cmdline, p.env)
+        for p in live_processes()
+        if p.env.get("SLURM_JOB_ID") == job_id or p.cmdline.startswith(f"slurmstepd: [{job_id}.")
+    }
 
 
 def practice_cluster_missing(conf: str | None = None) -> str | None:

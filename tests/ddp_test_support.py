@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddp_helpers import _protocol as protocol
+from ddp_helpers._procs import Process, live_processes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,35 +27,23 @@ def committed_text(path: Path) -> str:
     return shown.stdout if shown.returncode == 0 else path.read_text()
 
 
-def _launched(parent_pid: int) -> Iterator[tuple[int, int, str]]:
-    """(pid, parent pid, command line) of each live (non-zombie) process a ddp_helpers launch from
-    ``parent_pid`` started: cold ones carry the launcher's marker in their environment; warm ones are forks of
-    its warm process (whose first environment they keep), other than the warm process itself, which lives as
-    long as its kernel by design."""
-    marker = f"{protocol.PARENT_PID}={parent_pid}".encode()
-    owner = f"{protocol.WARM_OWNER}={parent_pid}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+def _launched(parent_pid: int) -> Iterator[Process]:
+    """Each live (non-zombie) process a ddp_helpers launch from ``parent_pid`` started: cold ones carry the
+    launcher's marker in their environment; warm ones are forks of its warm process (whose first environment
+    they keep), other than the warm process itself, which lives as long as its kernel by design."""
+    for process in live_processes():
+        if process.pid == os.getpid():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if fields[0] == b"Z":
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            forked = owner in env and int(fields[1]) != parent_pid  # a fork of our warm process, not itself
-            if marker in env or forked:
-                yield int(entry), int(fields[1]), cmdline
-        except OSError:
-            continue
+        marked = process.env.get(protocol.PARENT_PID) == str(parent_pid)
+        # A fork of our warm process, not the warm process itself.
+        forked = process.env.get(protocol.WARM_OWNER) == str(parent_pid) and process.ppid != parent_pid
+        if marked or forked:
+            yield process
 
 
 def leftover_processes(parent_pid: int) -> list[str]:
     """``pid: command line`` of each live process a ddp_helpers launch from ``parent_pid`` started."""
-    return [f"{pid}: {cmdline}" for pid, _, cmdline in _launched(parent_pid)]
+    return [f"{p.pid}: {p.cmdline}" for p in _launched(parent_pid)]
 
 
 def _comm(pid: int) -> str | None:
@@ -71,11 +60,12 @@ def rank_pids(parent_pid: int, script: str) -> dict[int, int]:
     left out. A rank that has not started yet is missing."""
     stem = os.path.splitext(os.path.basename(script))[0]
     found = {}
-    for pid, ppid, _ in _launched(parent_pid):
-        name = _comm(pid)
+    for process in _launched(parent_pid):
+        name = _comm(process.pid)
         match = re.fullmatch(r"rank(\d+) (.*)", name or "")
-        if match and stem.startswith(match[2]) and _comm(ppid) != name:  # comm keeps 15 bytes of the name
-            found[int(match[1])] = pid
+        # comm keeps 15 bytes of the name
+        if match and stem.startswith(match[2]) and _comm(process.ppid) != name:
+            found[int(match[1])] = process.pid
     return found
 
 

@@ -43,12 +43,12 @@ def hung(
     alive: bool = True,
     started: bool = True,
     script_exit: int | None = None,
-) -> diagnose.RankRecord:
+) -> diagnose.RankEvidence:
     """A rank's record as the launcher makes it when a job hangs."""
-    return diagnose.RankRecord(rank, started=started, alive=alive, stack=stack, script_exit=script_exit)
+    return diagnose.RankEvidence(rank, started=started, alive=alive, stack=stack, script_exit=script_exit)
 
 
-def waiting(rank: int, collective: str = "barrier", line: int = 12) -> diagnose.RankRecord:
+def waiting(rank: int, collective: str = "barrier", line: int = 12) -> diagnose.RankEvidence:
     return hung(rank, DUMP.format(collective=collective, line=line))
 
 
@@ -152,23 +152,23 @@ def test_a_record_merges_torchs_failure_record_with_the_status_file():
     start = {"event": "start", "pid": 10, "pgid": 10, "time": 1.0}
     raised = {"event": "exception", "type": "ValueError", "time": 2.5}
     ended = {"event": "exit", "code": 1, "time": 2.6}
-    record = diagnose.rank_record(1, [start, raised, ended], {"exitcode": 1, "timestamp": 2})
+    record = diagnose.rank_evidence(1, [start, raised, ended], {"exitcode": 1, "timestamp": 2})
     assert (record.exitcode, record.raised, record.time, record.script_exit) == (1, "ValueError", 2.5, 1)
     assert record.failed and not record.stopped_by_torchrun
-    killed = diagnose.rank_record(1, [start], {"exitcode": -9, "timestamp": 7})  # SIGKILL: no exit event
+    killed = diagnose.rank_evidence(1, [start], {"exitcode": -9, "timestamp": 7})  # SIGKILL: no exit event
     assert (killed.exitcode, killed.time, killed.script_exit) == (-9, 7, None) and killed.started
-    stopped = diagnose.rank_record(0, [start], None, agents_ok=False)
+    stopped = diagnose.rank_evidence(0, [start], None, agents_ok=False)
     assert stopped.exitcode is None and not stopped.failed and stopped.time == math.inf
-    assert diagnose.rank_record(0, [start], None, agents_ok=True).exitcode == 0
-    restarted = diagnose.rank_record(
+    assert diagnose.rank_evidence(0, [start], None, agents_ok=True).exitcode == 0
+    restarted = diagnose.rank_evidence(
         1, [start, raised, ended, {**start, "pid": 11}, {"event": "exit", "code": 0}]
     )
     assert restarted.raised is None and restarted.exitcode == 0, "only the last attempt counts"
-    assert not diagnose.rank_record(2, []).started
+    assert not diagnose.rank_evidence(2, []).started
 
 
-def _failed(rank: int, exitcode: int, raised: str | None = None, time: float = 1.0) -> diagnose.RankRecord:
-    return diagnose.RankRecord(rank, started=True, exitcode=exitcode, raised=raised, time=time)
+def _failed(rank: int, exitcode: int, raised: str | None = None, time: float = 1.0) -> diagnose.RankEvidence:
+    return diagnose.RankEvidence(rank, started=True, exitcode=exitcode, raised=raised, time=time)
 
 
 TRACEBACK = [
@@ -214,7 +214,7 @@ def test_whom_a_failure_blames():
         result(), {0: _failed(0, -signal.SIGTERM), 1: _failed(1, -signal.SIGKILL, time=0)}
     )
     assert str(killed).startswith("rank 1 was killed by SIGKILL (exit code -9)") and killed.exitcode == -9
-    code = diagnose.failure_error(result(), {0: _failed(0, 4), 1: diagnose.RankRecord(1, exitcode=0)})
+    code = diagnose.failure_error(result(), {0: _failed(0, 4), 1: diagnose.RankEvidence(1, exitcode=0)})
     assert str(code).startswith(
         "rank 0 exited with code 4.\nNote: rank 1 exited normally (code 0) while the "
         "others were still running"
@@ -225,7 +225,7 @@ def test_whom_a_failure_blames():
         "rank 0 raised RuntimeError, then was killed by SIGABRT (exit code -6) while shutting down"
     ), str(dying)
     itself = diagnose.failure_error(
-        result(returncode=1), {0: diagnose.RankRecord(0), 1: diagnose.RankRecord(1)}
+        result(returncode=1), {0: diagnose.RankEvidence(0), 1: diagnose.RankEvidence(1)}
     )
     assert str(itself).startswith(
         "torchrun itself failed (exit code 1) before any rank reported an error. Its "
@@ -344,8 +344,8 @@ IDLE_DUMP = """Current thread 0x00007f0000000002 (most recent call first):
 """
 
 
-def idle(rank: int, why: str = "finished") -> diagnose.RankRecord:
-    return diagnose.RankRecord(rank, started=True, alive=True, stack=IDLE_DUMP, idle=why)
+def idle(rank: int, why: str = "finished") -> diagnose.RankEvidence:
+    return diagnose.RankEvidence(rank, started=True, alive=True, stack=IDLE_DUMP, idle=why)
 
 
 def test_a_rank_not_running_the_cell_is_blamed_only_when_a_peer_waits_in_a_collective():
@@ -385,7 +385,7 @@ def test_the_cell_hang_kinds():
     watch = diagnose.Watch(start=0.0, timeout=None, stall_timeout=2, cell=True)
     assert watch.check(1.5, new_lines=True, every_rank_printed=True) is None  # a reply counts as a line
     assert watch.check(3.6, new_lines=False, every_rank_printed=True) == Hang("stall", 2, cell=True)
-    failed = diagnose.failure_error(result(), {0: diagnose.RankRecord(0, exitcode=-9)}, note="Start again.")
+    failed = diagnose.failure_error(result(), {0: diagnose.RankEvidence(0, exitcode=-9)}, note="Start again.")
     assert str(failed).splitlines()[-1] == "Start again." and failed.rank == 0
 
 

@@ -56,6 +56,11 @@ HANG = """
 """
 
 
+def _plan(script: str, **options: object):
+    """A launch planned as torchrun() plans it, without starting it."""
+    return launcher.plan_launch(script, (), launcher.LaunchOptions(**options))
+
+
 def test_records_lines_and_exit_codes(script, capsys):
     path = script(HELLO)
     result = torchrun(path, "--lr", 0.1, nproc_per_node=2, timeout=120)
@@ -248,9 +253,10 @@ def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
     """The launcher's one object per rank: stdout and stderr in whole lines, the status file parsed into
     events, each read from where the last look ended (a half-written line waits for its end). No process."""
     from ddp_helpers import _protocol as protocol
+    from ddp_helpers._run_folder import RankFiles
 
-    rank = launcher._Rank(str(tmp_path), 1, live=False)
-    assert not rank.poll() and rank.pid() is None and not rank.printed and rank.groups() == set()
+    rank = RankFiles(str(tmp_path), 1, live=False)
+    assert not rank.poll() and rank.pid() is None and not rank.printed and rank.pgids() == set()
     status, stdout = (Path(protocol.rank_file(str(tmp_path), 1, kind)) for kind in ("status", "stdout"))
     start = json.dumps({"event": "start", "pid": 42, "pgid": 40, "time": 1.0}) + "\n"
     status.write_text(start[:20])  # the worker wrapper is still writing the line
@@ -264,11 +270,11 @@ def test_a_rank_reads_each_of_its_files_once_as_it_grows(tmp_path):
         f.write(json.dumps({"event": "exit", "code": 0, "time": 3.0}) + "\n")
     with stdout.open("a") as f:
         f.write("ond, no newline")
-    assert rank.groups() == {40, 50} and rank.pid() == 52
+    assert rank.pgids() == {40, 50} and rank.pid() == 52
     rank.finish()
     assert rank.stdout.lines == ["first", "second, no newline"] and rank.stderr.lines == []
     assert not rank.poll() and len(rank.events) == 3, "each event parsed once, also after the files are done"
-    record = rank.record(agents_ok=True)
+    record = rank.evidence(agents_ok=True)
     assert (record.rank, record.started, record.exitcode, record.script_exit) == (1, True, 0, 0)
 
 
@@ -474,7 +480,7 @@ def test_the_warm_process_counts_the_gpus(script, monkeypatch):
     )
     monkeypatch.setattr(launcher, "_may_have_gpus", lambda: True)
     monkeypatch.setattr(launcher, "_GPU_COUNTS", {})
-    env = launcher._plan(script=script(HELLO), backend="gloo", live=False).env  # a launch's own environment
+    env = _plan(script(HELLO), backend="gloo", live=False).env  # a launch's own environment
     assert launcher._gpu_count(env, warm=True) == torch_gpu_count()
     assert asked == [torch_gpu_count() if _has_nvml() else None], asked
     assert len(fresh) == (asked == [None]), fresh
@@ -527,7 +533,7 @@ def test_fewer_gpus_than_ranks_runs_on_gloo(script, monkeypatch, capsys, gpus, n
     monkeypatch.delenv("DDP_BACKEND", raising=False)
     monkeypatch.setattr(launcher, "_gpu_count", lambda env, warm: gpus)
     monkeypatch.setattr(launcher, "_NOTED", set())
-    job = launcher._plan(script=script(HELLO), nproc_per_node=nproc, live=False, backend=backend, warm=False)
+    job = _plan(script(HELLO), nproc_per_node=nproc, live=False, backend=backend, warm=False)
     assert job.env.get("DDP_BACKEND") == expected, job.env.get("DDP_BACKEND")
     noted = capsys.readouterr().out
     assert ("NCCL needs one GPU per rank" in noted) == (expected == "gloo" and backend is None), noted
@@ -559,14 +565,15 @@ def test_cli_failure_exit_code_and_message(script, tmp_path, monkeypatch, capsys
     from ddp_helpers.outcome import TorchrunResult
 
     done = TorchrunResult("torchrun fail.py", 1, 0.1, {0: []}, {0: []}, {0: 4})
-    calls = []
+    path = script("raise SystemExit(4)\n", name="fail.py")
+    jobs = []
 
     def raising(error: TorchrunError):
-        def launch(*args, **kwargs):
-            calls.append((args, kwargs))
+        def run(job):
+            jobs.append(job)
             raise error
 
-        return launch
+        return run
 
     for error in (
         JobFailedError("rank 0 exited with code 4.", done, rank=0, exitcode=4),
@@ -574,16 +581,15 @@ def test_cli_failure_exit_code_and_message(script, tmp_path, monkeypatch, capsys
             "timed out after 5 s; stuck: rank 0", done, hang=Hang("timeout", 5), stuck_ranks=[0], stacks={}
         ),
     ):
-        monkeypatch.setattr(cli, "torchrun", raising(error))
-        assert cli.main(["--timeout", "5", "fail.py", "--x", "1"]) == 1
+        monkeypatch.setattr(launcher, "run_launch", raising(error))
+        assert cli.main(["--timeout", "5", str(path), "--x", "1"]) == 1
         assert f"ddp_helpers: {error}" in capsys.readouterr().err
     assert (
-        calls[0][0] == ("fail.py", "--x", "1")
-        and calls[0][1]["warm"] is False
-        and calls[0][1]["timeout"] == 5
-    )
+        jobs[0].plain_command.endswith("fail.py --x 1")
+        and jobs[0].options.warm is False
+        and jobs[0].options.timeout == 5
+    ), jobs[0]
     monkeypatch.undo()
-    script("raise SystemExit(4)\n", name="fail.py")
     # refused before any process starts
     assert cli.main(["--nproc-per-node", "0", str(tmp_path / "fail.py")]) == 2
     assert "nproc_per_node must be at least 1" in capsys.readouterr().err
@@ -790,11 +796,11 @@ def test_warm_and_cold_launches_give_a_script_the_same_world(script, tmp_path):
 def test_warm_falls_back_to_cold_when_env_sets_an_import_time_variable(script, capsys):
     """A launch whose env= sets a variable torch reads at import runs cold, with a note (that warm=False
     really is a fresh process is test_warm_and_cold_launches_give_a_script_the_same_world's)."""
-    job = launcher._plan(script=script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, live=False)
-    assert not job.warm and job.env["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    job = _plan(script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, live=False)
+    assert not job.warm_now and job.env["TORCH_CPP_LOG_LEVEL"] == "INFO"
     assert "env= sets TORCH_CPP_LOG_LEVEL, which torch reads when it is imported" in capsys.readouterr().out
-    assert launcher._plan(script=script(HELLO), env={"FOO": "1"}, live=False).warm
-    assert not launcher._plan(script=script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, warm=False).warm
+    assert _plan(script(HELLO), env={"FOO": "1"}, live=False).warm_now
+    assert not _plan(script(HELLO), env={"TORCH_CPP_LOG_LEVEL": "INFO"}, warm=False).warm_now
     assert capsys.readouterr().out == "", "no note when the caller asked for a cold launch anyway"
 
 

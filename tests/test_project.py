@@ -383,6 +383,63 @@ def test_the_launch_protocol_is_spelled_only_in_its_module():
     assert "RUN_DIR" in protocol and "STACK_SIGNAL" in protocol
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_module_of_the_package_uses_a_private_name_of_another():
+    """What one module of ddp_helpers/ takes from another has a public name (a module named ``_x`` may hold
+    public names: ``_procs.is_alive``): ``from ddp_helpers.m import _y`` and ``m._y`` are refused."""
+    package = REPO / "ddp_helpers"
+    modules = {path.stem for path in package.glob("*.py")}
+    found = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {}  # local name -> the package's module it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("ddp_helpers.") and alias.asname:
+                        imported[alias.asname] = alias.name.removeprefix("ddp_helpers.")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ddp_helpers":
+                for alias in node.names:
+                    if node.module == "ddp_helpers" and alias.name in modules:
+                        imported[alias.asname or alias.name] = alias.name
+                    elif _private(alias.name):
+                        found.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                module = imported.get(node.value.id)
+                if module is not None and module != path.stem and _private(node.attr):
+                    found.append(f"{path.name}:{node.lineno} {module}.{node.attr}")
+    assert not found, f"give these a public name in their module: {found}"
+
+
+def test_the_launch_options_are_listed_in_one_place():
+    """Only the taught signatures spell out the launch options (the IDE completion a reader sees); everything
+    else takes one ``LaunchOptions``, so a new option is added in the dataclass and those three functions."""
+    import dataclasses
+
+    from ddp_helpers.launcher import LaunchOptions
+
+    options = {field.name for field in dataclasses.fields(LaunchOptions)}
+    spelled = []
+
+    def visit(node: ast.AST, prefix: str, path: Path) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = child.args.posonlyargs + child.args.args + child.args.kwonlyargs
+                if len({a.arg for a in arguments} & options) >= 6:
+                    spelled.append(f"{path.stem}.{prefix}{child.name}")
+                visit(child, f"{prefix}{child.name}.", path)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", path)
+
+    for path in sorted((REPO / "ddp_helpers").glob("*.py")):
+        visit(ast.parse(path.read_text()), "", path)
+    assert sorted(spelled) == ["launcher.torchrun", "ranks.RankGroup.__init__", "slurm.sbatch"], spelled
+
+
 # Its two safety nets (300 s for the checks, 900 s for notebook 03 under nbmake) add up past the suite's
 # 600 s: pytest-timeout sits above them, so that a failure shows which run ran out and what it printed.
 @pytest.mark.timeout(1320)

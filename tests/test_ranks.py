@@ -15,6 +15,7 @@ from ddp_test_support import clocks_start_when, in_native_call, in_python_call, 
 
 from ddp_helpers import CellError, JobFailedError, JobHungError, _repl, launcher
 from ddp_helpers import ranks as ranks_module
+from ddp_helpers._run_folder import LineFollower
 from ddp_helpers.outcome import Hang
 from tests.interrupt_guard import interrupt_this_process
 
@@ -140,7 +141,7 @@ def test_an_interrupt_takes_effect_only_where_a_cell_waits_for_a_message(kernel_
 
 def test_lines_without_a_newline_end_with_the_cell(tmp_path):
     path = tmp_path / "rank0.stdout"
-    lines = launcher._Lines(str(path))
+    lines = LineFollower(str(path))
     path.write_bytes(b"one\ntwo, no newline yet")
     assert lines.poll() == ["one"] and lines.end_line() == ["two, no newline yet"]
     with path.open("ab") as f:
@@ -397,5 +398,5 @@ def test_stop_lets_every_rank_leave_cleanly_with_a_ddp_wrapper_alive(kernel_unch
             "from torch.nn.parallel import DistributedDataParallel as DDP\nddp = DDP(torch.nn.Linear(2, 2))"
         )
     assert group.closed and group.launch.agents.returncode() == 0, group.launch.agents.returncode()
-    records = {r.rank: r.record(agents_ok=True) for r in group.launch.ranks}
-    assert all(record.script_exit == 0 for record in records.values()), records
+    evidence = {r.rank: r.evidence(agents_ok=True) for r in group.launch.ranks}
+    assert all(e.script_exit == 0 for e in evidence.values()), evidence

@@ -119,33 +119,37 @@ def test_sbatch_checks_its_input_before_submitting(tmp_path: Path, monkeypatch):
 
     (tmp_path / "s.py").write_text("print('hi')\n")
     monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
-    job = slurm._plan("s.py", ("--n", 3), nodes=3, nproc_per_node=2, cwd=tmp_path, sbatch_args=["-p", "gpu"])
-    assert job.world_size == 6 and job.command == "sbatch -p gpu s.sbatch", job.command
+
+    def plan(script: str, args: tuple = (), **options: object):
+        return slurm._plan(script, args, slurm.SbatchOptions(**options))
+
+    job = plan("s.py", ("--n", 3), nodes=3, nproc_per_node=2, cwd=tmp_path, sbatch_args=["-p", "gpu"])
+    assert job.options.world_size == 6 and job.command == "sbatch -p gpu s.sbatch", job.command
     assert job.run_dir.startswith(str(tmp_path / ".ddp_helpers" / "slurm-s-")), job.run_dir
     assert job.sbatch_argv[-1] == os.path.join(job.run_dir, "s.sbatch") and "--parsable" in job.sbatch_argv
     assert job.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)  # the kernel's torchrun
     assert "DDP_HELPERS_PARENT_PID" not in job.env  # no lifeline across nodes: scancel and --time instead
     with pytest.raises(FileNotFoundError, match="not found"):
-        slurm._plan("missing.py", cwd=tmp_path)
+        plan("missing.py", cwd=tmp_path)
     with pytest.raises(ValueError, match="nodes must be at least 1"):
-        slurm._plan("s.py", nodes=0, cwd=tmp_path)
+        plan("s.py", nodes=0, cwd=tmp_path)
     with pytest.raises(TypeError, match="one string per flag"):
-        slurm._plan("s.py", cwd=tmp_path, sbatch_args="-p gpu")
+        plan("s.py", cwd=tmp_path, sbatch_args="-p gpu")
     monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
     with pytest.raises(FileNotFoundError, match="not a SLURM login node"):
-        slurm._plan("s.py", cwd=tmp_path)
+        plan("s.py", cwd=tmp_path)
 
 
 def test_a_hang_never_signals_a_pid_that_is_not_the_jobs_here(tmp_path: Path):
     """On a real cluster a rank's pid is another machine's: the stack dump must not signal this one's."""
     from ddp_helpers import _protocol as protocol
-    from ddp_helpers.launcher import _Rank
+    from ddp_helpers._run_folder import RankFiles
     from ddp_helpers.slurm import SlurmJob, _hung_ranks
 
     start = {"event": "start", "pid": os.getpid(), "pgid": os.getpgid(0), "time": 0.0}  # this very process
     for rank in (0, 1):
         Path(protocol.rank_file(str(tmp_path), rank, "status")).write_text(json.dumps(start) + "\n")
-    ranks = [_Rank(str(tmp_path), rank, False) for rank in (0, 1)]
+    ranks = [RankFiles(str(tmp_path), rank, False) for rank in (0, 1)]
     records = _hung_ranks(ranks, SlurmJob("0"))  # no process of a job 0 here: SIGUSR1 would end pytest
     assert [(r.started, r.alive, r.stack) for r in records] == [(True, False, None)] * 2, records
 
@@ -212,7 +216,7 @@ def test_sbatch_names_the_failing_rank_and_its_traceback(cluster, tmp_path: Path
 
 def test_sbatch_cancels_a_job_past_its_timeout(cluster, tmp_path: Path):
     from ddp_helpers import JobHungError, sbatch
-    from ddp_helpers.launcher import _Rank
+    from ddp_helpers._run_folder import RankFiles
     from ddp_helpers.outcome import Hang
 
     (tmp_path / "sleeps.py").write_text(SLEEPS)
@@ -223,7 +227,7 @@ def test_sbatch_cancels_a_job_past_its_timeout(cluster, tmp_path: Path):
         run_dirs = list((tmp_path / ".ddp_helpers").glob("slurm-sleeps-*"))
         if len(run_dirs) != 1:
             return False
-        ranks = [_Rank(str(run_dirs[0]), r, False) for r in (0, 1)]
+        ranks = [RankFiles(str(run_dirs[0]), r, False) for r in (0, 1)]
         for rank in ranks:
             rank.poll()
         pid0, pid1 = (rank.pid() for rank in ranks)
