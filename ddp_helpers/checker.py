@@ -463,13 +463,8 @@ def epoch_order(run: Run) -> Verdict:
         return "no DistributedSampler handed out indices"
     repeats, later_epoch = {}, False
     for r, evs in samplers.items():
-        passes: dict[int, list[dict]] = defaultdict(list)
-        for e in evs:
-            passes[e["sampler"]].append(e)
-        for seq in passes.values():
+        for seq in _trained_passes(run, r, evs).values():
             for p, q in itertools.pairwise(seq):
-                if q["forwards"] <= p["forwards"]:
-                    continue  # no training between the two passes: the same epoch, read twice
                 later_epoch = True
                 if p["shuffle"] and q["epoch"] == p["epoch"] and q["digest"] == p["digest"]:
                     repeats.setdefault(r, (p, q))
@@ -494,6 +489,23 @@ def epoch_order(run: Run) -> Verdict:
             "steps, or the script arguments for a shorter epoch"
         )
     return []
+
+
+def _trained_passes(run: Run, rank: int, passes: Sequence[dict]) -> dict[int, list[dict]]:
+    """Each sampler's passes that training followed, in order. A pass read for a look (``list(sampler)`` for a
+    report, ``next(iter(loader))`` for the batch size), with no training before the sampler's next pass, is
+    not an epoch of its own."""
+    batches, steps = run.of("batch").get(rank, []), run.of("step").get(rank, [])
+    end = (max((e["n"] for e in batches), default=0), max((e["step"] for e in steps), default=0))
+    by_sampler: dict[int, list[dict]] = defaultdict(list)
+    for e in passes:
+        by_sampler[e["sampler"]].append(e)
+    trained = {}
+    for sampler, seq in by_sampler.items():
+        after = [(q["forwards"], q["step"]) for q in seq[1:]] + [end]
+        pairs = zip(seq, after, strict=True)
+        trained[sampler] = [p for p, (f, s) in pairs if f > p["forwards"] or s > p["step"]]
+    return trained
 
 
 def replicas_diverge(run: Run) -> Verdict:
@@ -752,16 +764,25 @@ def every_rank_saves(run: Run) -> Verdict:
     if not shared:
         return []
     path, ranks = sorted(shared.items())[0]
+    local = {r: evs[0].get("local_rank") for r, evs in run.of("start").items()}
+    if all(local.get(r) == 0 for r in ranks):
+        who = f"ranks {_list(ranks)}, each node's local rank 0,"
+        why = (
+            "on nodes that share a filesystem (as these simulated ones do) they race for one file; with a "
+            "disk per node, each keeps its own copy"
+        )
+    else:
+        who, why = f"ranks {_list(ranks)}", "they race, and a reader can meet a half-written file"
+    more = f" (and {len(shared) - 1} more shared file(s))" if len(shared) > 1 else ""
     return [
         Finding(
             "every-rank-saves",
             "error",
             sorted(set().union(*shared.values())),
-            f"ranks {_list(ranks)} all wrote {run.path(path)}"
-            + (f" (and {len(shared) - 1} more shared file(s))" if len(shared) > 1 else "")
-            + ": they race, and a reader can meet a half-written file",
-            "save on rank 0 only (`if dist.get_rank() == 0:`), atomically (a temporary file in the same "
-            "folder, then os.replace), then dist.barrier() on every rank before any rank loads it",
+            f"{who} all wrote {run.path(path)}{more}: {why}",
+            "save on global rank 0 only (`if dist.get_rank() == 0:`, not LOCAL_RANK), atomically (a "
+            "temporary file in the same folder, then os.replace), then dist.barrier() on every rank "
+            "before any rank loads it",
             "notebooks/01_state_dict_prefixes.ipynb §2",
         )
     ]
@@ -841,7 +862,7 @@ def load_without_map_location(run: Run) -> Verdict:
 
 
 def logs_from_every_rank(run: Run) -> Verdict:
-    """Lines every rank printed alike (numbers aside), other than per-rank records naming their rank."""
+    """Lines every rank printed alike (numbers aside), but for lines that carry the rank printing them."""
     if run.world_size < 2:
         return "one rank: nothing to compare"
     printed: dict[int, dict[str, str]] = {}
@@ -852,6 +873,7 @@ def logs_from_every_rank(run: Run) -> Verdict:
             if text and "rank" not in text.lower():
                 printed[r].setdefault(_NUMBER.sub("#", text), text)
     common = set.intersection(*(set(p) for p in printed.values()))
+    common = {t for t in common if not _names_its_rank(run, {r: p[t] for r, p in printed.items()})}
     if common:
         shown = sorted(common, key=lambda t: list(printed[0]).index(t))[:2]
         return [
@@ -869,6 +891,17 @@ def logs_from_every_rank(run: Run) -> Verdict:
     if run.completed():
         return []
     return "the run failed before its end or its last step"
+
+
+def _names_its_rank(run: Run, lines: Mapping[int, str]) -> bool:
+    """Whether each rank's line has, at one place, its rank or its local rank as a number (`[GPU1]`)."""
+    numbers = {r: [m[0] for m in _NUMBER.finditer(line)] for r, line in lines.items()}
+    local = {r: evs[0].get("local_rank") for r, evs in run.of("start").items()}
+    for i in range(min(len(n) for n in numbers.values())):
+        for own in ({r: r for r in lines}, {r: local.get(r, r) for r in lines}):
+            if all(numbers[r][i] == str(own[r]) for r in lines):
+                return True
+    return False
 
 
 def no_destroy(run: Run) -> Verdict:
