@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 from ddp_helpers import diagnose
 from ddp_helpers.launcher import torchrun
-from ddp_helpers.outcome import JobFailedError, JobHungError
+from ddp_helpers.outcome import JobFailedError, JobHungError, TorchrunResult
 
 __all__ = ["CHECKS", "CheckReport", "Finding", "Run", "analyse", "check", "main"]
 
@@ -113,13 +113,15 @@ class Finding:
 @dataclass
 class CheckReport:
     """What ``check`` found: ``findings``; ``passed``, the checks that ran and found nothing; ``not_run``, the
-    others, each with why. ``ok``: no error (warnings allowed). Shown as a checklist."""
+    others, each with why. ``ok``: no error (warnings allowed). ``result``: the launch's ``TorchrunResult``
+    (each rank's lines, ``records()``). Shown as a checklist."""
 
     script: str
     world: str
     findings: list[Finding] = field(default_factory=list)
     passed: list[str] = field(default_factory=list)
     not_run: list[str] = field(default_factory=list)
+    result: TorchrunResult | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -1169,7 +1171,9 @@ def check(
         shutil.rmtree(folder, ignore_errors=True)
     run.stdout, run.stderr = result.stdout, result.stderr
     nodes = f"{nnodes} nodes x {nproc_per_node}" if nnodes > 1 else "1 node"
-    return analyse(run, f"{run.world_size} ranks ({nodes}), up to {steps} steps")
+    report = analyse(run, f"{run.world_size} ranks ({nodes}), up to {steps} steps")
+    report.result = result
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
