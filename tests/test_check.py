@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from ddp_test_support import REPO
+from ddp_test_support import REPO, clocks_start_when, in_native_call, in_python_call, rank_pids
 
 from ddp_helpers import checker
 from ddp_helpers.checker import CHECKS, CheckReport, Finding, Run, analyse, check
@@ -558,8 +558,10 @@ def test_eight_mistakes_at_once_each_found_with_its_evidence(tmp_path):
     assert [f.level for f in report.findings].count("error") == 4 and not report.ok
 
 
-def test_replicas_that_drift_apart_parameters_and_buffers(tmp_path):
-    report = run_train(tmp_path, "unfreeze,no-buffer-sync")
+def test_replicas_that_drift_apart_parameters_and_buffers_and_a_stop_after_6_steps(
+    tmp_path, kernel_unchanged
+):
+    report = run_train(tmp_path, "unfreeze,no-buffer-sync", steps=6)
     only(report, "replicas-diverge", "replicas-diverge")
     params, buffers = report.findings
     assert "after optimizer step 2, 2 parameter tensor(s) differ" in params.evidence
@@ -568,6 +570,12 @@ def test_replicas_that_drift_apart_parameters_and_buffers(tmp_path):
         "`body.1.running_mean`, `body.1.running_var`" in buffers.evidence
         and "broadcast_buffers" in buffers.fix
     )
+    # Stopped in its second epoch, before any save: every rank stopped cleanly, and what was not seen says so.
+    assert (
+        "no-destroy: not run: the check stopped it after 6 optimizer steps, before the script's end"
+        in "\n".join(report.not_run)
+    )
+    assert "epoch-order-repeats" in report.passed and "script-failed" in report.passed
 
 
 def test_a_parameter_no_loss_uses(tmp_path):
@@ -577,13 +585,28 @@ def test_a_parameter_no_loss_uses(tmp_path):
 
 
 def test_a_barrier_only_rank_0_reaches(tmp_path, kernel_unchanged):
-    report = run_train(tmp_path, "hang", stall_timeout=5)
+    barrier = next(i for i, line in enumerate(TRAIN.read_text().splitlines(), 1) if "# BUG: inside" in line)
+
+    def at_their_places() -> bool:
+        pids = rank_pids(os.getpid(), str(TRAIN))
+        return (
+            len(pids) == 4
+            and in_native_call(pids[0], "c10d::Work::wait", "barrier", at=("train.py", barrier))
+            and all(
+                in_native_call(
+                    pids[r], "c10d::Work::wait", "DistributedDataParallel._distributed_broadcast_coalesced"
+                )
+                for r in (1, 2, 3)
+            )
+        )
+
+    # The 2 s of silence count from rank 0 in its barrier and the others in DDP's next forward.
+    with clocks_start_when(at_their_places):
+        report = run_train(tmp_path, "hang", stall_timeout=2)
     only(report, "rank-dependent-hang")
     evidence = report.finding("rank-dependent-hang").evidence
-    assert (
-        "rank 0 waits in `barrier` at train.py:" in evidence and "BUG: inside the rank-0 branch" in evidence
-    )
-    assert "ranks 1-3 wait in " in evidence
+    assert f"rank 0 waits in `barrier` at train.py:{barrier} (`dist.barrier()  # BUG: inside" in evidence
+    assert "ranks 1-3 wait in `_distributed_broadcast_coalesced` at train.py:" in evidence
 
 
 def test_a_device_hard_coded_to_cuda(tmp_path):
@@ -593,7 +616,15 @@ def test_a_device_hard_coded_to_cuda(tmp_path):
 
 
 def test_init_process_group_given_the_local_rank_on_two_nodes(tmp_path):
-    report = run_train(tmp_path, "init-rank", stall_timeout=5)
+    def inside_init() -> bool:
+        pids = rank_pids(os.getpid(), str(TRAIN))
+        return len(pids) == 4 and all(
+            in_python_call(p, "init_process_group", "distributed_c10d.py") for p in pids.values()
+        )
+
+    # Each rank writes what init_process_group was given before calling it; 2 s count from all four inside.
+    with clocks_start_when(inside_init):
+        report = run_train(tmp_path, "init-rank", stall_timeout=2)
     only(report, "init-rank-mismatch")
     assert report.finding("init-rank-mismatch").ranks == [2, 3]
 
