@@ -514,6 +514,15 @@ def test_exit_status_is_1_with_an_error_0_with_warnings_only(capsys, monkeypatch
         assert printed == {"ok": status == 0, "findings": [vars(f) for f in findings]}
 
 
+def test_the_check_is_the_packages_function_and_imports_no_torch_in_the_kernel():
+    code = (
+        "import sys, ddp_helpers, ddp_helpers.checker, ddp_helpers.__main__; "
+        "assert ddp_helpers.check is ddp_helpers.checker.check, ddp_helpers.check; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
+
+
 # ---- real launches -----------------------------------------------------------------------------------
 
 
