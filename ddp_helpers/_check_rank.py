@@ -134,11 +134,11 @@ def in_library(filename: str) -> bool:
 def caller() -> tuple[str, int, bool]:
     """Who called the wrapped function: the innermost frame outside torch, torchvision and this file, and
     whether the direct caller was inside torch or torchvision (a library's own load, say torch.hub's)."""
-    frame = sys._getframe(2)
-    library = in_library(frame.f_code.co_filename)
-    while frame is not None and (
-        frame.f_code.co_filename == __file__ or in_library(frame.f_code.co_filename)
-    ):
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    library = frame is not None and in_library(frame.f_code.co_filename)
+    while frame is not None and in_library(frame.f_code.co_filename):
         frame = frame.f_back
     return (frame.f_code.co_filename, frame.f_lineno, library) if frame is not None else ("?", 0, library)
 
@@ -314,6 +314,52 @@ class Watch:
                 unused.append(None)
         self.out.write("step", step=self.steps, params=digests, unused=unused)
 
+    # ---- what the wrappers see ---------------------------------------------------------------------------
+
+    @guarded
+    def on_ddp_error(self, error: Exception) -> None:
+        """DDP refused to wrap a model (on this rank): its own message."""
+        self.out.write("ddp_error", type=type(error).__name__, message=str(error)[:4000], step=self.steps)
+
+    @guarded
+    def on_init(self, given: Mapping[str, object]) -> None:
+        """What init_process_group was given, before it runs."""
+        file, line, _ = caller()
+        self.out.write(
+            "init",
+            backend=str(given.get("backend")),
+            rank=given.get("rank", -1),
+            world_size=given.get("world_size", -1),
+            init_method=given.get("init_method"),
+            file=file,
+            line=line,
+        )
+
+    @guarded
+    def on_save(self, obj: object, f: object) -> None:
+        """A file torch.save wrote, and any state_dict in it whose keys carry a wrapper's prefix."""
+        path = file_path(f)
+        if path:
+            self.saved.add(path)
+        file, line, library = caller()
+        prefixed = prefixed_state_dicts(obj)
+        self.out.write("save", path=path, prefixed=prefixed, file=file, line=line, library=library)
+
+    @guarded
+    def on_load(self, f: object, map_location: object) -> None:
+        """A file torch.load reads, and whether it was given a map_location."""
+        file, line, library = caller()
+        located = map_location is not None
+        self.out.write("load", path=file_path(f), map_location=located, file=file, line=line, library=library)
+
+    @guarded
+    def on_rename(self, src: object, dst: object) -> None:
+        """A file torch.save wrote, moved to its final name."""
+        if isinstance(src, str | os.PathLike) and file_path(src) in self.saved:
+            target = file_path(dst)
+            self.saved.add(target)
+            self.out.write("rename", src=file_path(src), dst=target)
+
     # ---- samplers ----------------------------------------------------------------------------------------
 
     @guarded
@@ -343,8 +389,9 @@ def wrap(owner: object, name: str, make: Callable[[Callable], Callable]) -> None
 
 
 def install(watch: Watch) -> None:
-    """The hooks and wrappers, in this rank only (CONTRIBUTING.md, "The check", says why each)."""
-    out = watch.out
+    """The hooks and wrappers, in this rank only (CONTRIBUTING.md, "The check", says why each). Each wrapper
+    calls the original with the same arguments and returns its result; what it records goes through a
+    guarded ``Watch`` method, which never raises into the script."""
     register_optimizer_step_post_hook(watch.on_step)
     watch.global_hook = register_module_forward_pre_hook(watch.on_any_forward)
 
@@ -353,13 +400,11 @@ def install(watch: Watch) -> None:
             try:
                 original(self, *args, **kwargs)
             except Exception as e:
-                out.write("ddp_error", type=type(e).__name__, message=str(e)[:4000], step=watch.steps)
+                watch.on_ddp_error(e)
                 raise
             watch.on_ddp(self)
 
         return __init__
-
-    wrap(DistributedDataParallel, "__init__", ddp_init)
 
     def sampler_iter(original: Callable) -> Callable:
         def __iter__(self) -> Iterator:
@@ -369,8 +414,6 @@ def install(watch: Watch) -> None:
 
         return __iter__
 
-    wrap(DistributedSampler, "__iter__", sampler_iter)
-
     signature = inspect.signature(dist.init_process_group)
 
     def init_process_group(original: Callable) -> Callable:
@@ -379,73 +422,40 @@ def install(watch: Watch) -> None:
                 given = signature.bind_partial(*args, **kwargs).arguments
             except TypeError:
                 given = {}  # the original raises its own error about these arguments
-            where = caller()
-            out.write(
-                "init",
-                backend=str(given.get("backend")),
-                rank=given.get("rank", -1),
-                world_size=given.get("world_size", -1),
-                init_method=given.get("init_method"),
-                file=where[0],
-                line=where[1],
-            )
+            watch.on_init(given)
             return original(*args, **kwargs)
 
         return call
 
-    for module in (dist, dist.distributed_c10d):
-        wrap(module, "init_process_group", init_process_group)
-
     def save(original: Callable) -> Callable:
         def call(obj, f, *args, **kwargs):
             result = original(obj, f, *args, **kwargs)
-            path = file_path(f)
-            if path:
-                watch.saved.add(path)
-            where = caller()
-            out.write(
-                "save",
-                path=path,
-                prefixed=prefixed_state_dicts(obj),
-                file=where[0],
-                line=where[1],
-                library=where[2],
-            )
+            watch.on_save(obj, f)
             return result
 
         return call
 
-    wrap(torch, "save", save)
-
     def load(original: Callable) -> Callable:
         def call(f, *args, **kwargs):
-            where = caller()
-            given = args[0] if args else kwargs.get("map_location")
-            out.write(
-                "load",
-                path=file_path(f),
-                map_location=given is not None,
-                file=where[0],
-                line=where[1],
-                library=where[2],
-            )
+            watch.on_load(f, args[0] if args else kwargs.get("map_location"))
             return original(f, *args, **kwargs)
 
         return call
 
-    wrap(torch, "load", load)
-
     def rename(original: Callable) -> Callable:
         def call(src, dst, *args, **kwargs):
             result = original(src, dst, *args, **kwargs)
-            if isinstance(src, str | os.PathLike) and os.path.abspath(os.fspath(src)) in watch.saved:
-                target = file_path(dst)
-                watch.saved.add(target)
-                out.write("rename", src=file_path(src), dst=target)
+            watch.on_rename(src, dst)
             return result
 
         return call
 
+    wrap(DistributedDataParallel, "__init__", ddp_init)
+    wrap(DistributedSampler, "__iter__", sampler_iter)
+    for module in (dist, dist.distributed_c10d):
+        wrap(module, "init_process_group", init_process_group)
+    wrap(torch, "save", save)
+    wrap(torch, "load", load)
     for name in ("replace", "rename"):
         wrap(os, name, rename)
 

@@ -1210,6 +1210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(ns.script):
         print(f"ddp_helpers check: no such script: {ns.script}", file=sys.stderr)
         return 2
+    world = f"{ns.nproc_per_node * ns.nnodes} ranks ({ns.nnodes} node(s) x {ns.nproc_per_node})"
+    print(
+        f"ddp_helpers check: running {ns.script} on {world}, up to {ns.steps} steps",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         report = check(
             ns.script,
