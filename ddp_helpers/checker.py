@@ -1042,6 +1042,12 @@ def analyse(run: Run, world: str = "") -> CheckReport:
                 report.passed.append(name)
         elif isinstance(verdict, str):
             report.not_run.append(f"{name}: not run: {verdict}")
+    for r, evs in run.of("check_error").items():  # the check's own fault: said, never a finding
+        e = evs[0]
+        report.not_run.append(
+            f"the check itself: its {e['where']} failed on rank {r} ({e['type']}: {e['message']}); what it "
+            "would have seen after that is missing"
+        )
     return report
 
 

@@ -444,6 +444,14 @@ def test_a_peer_failing_after_the_check_stopped_the_others_is_not_the_scripts_fa
     assert "script-failed" not in report.ids and "rank-dependent-hang" not in report.ids
 
 
+def test_an_error_of_the_checks_own_is_said_not_passed_off_as_a_finding():
+    events = clean_events()
+    events[1].insert(3, ev("check_error", where="record_batch", type="RuntimeError", message="odd tensor"))
+    report = analyse(made_up(events))
+    assert report.ok and report.findings == []
+    assert report.not_run[-1].startswith("the check itself: its record_batch failed on rank 1 (RuntimeError")
+
+
 def test_the_report_reads_as_a_checklist_and_its_json_is_the_issues_object():
     events = clean_events()
     replace(events, 1, "load", map_location=False)
