@@ -1084,7 +1084,10 @@ def _stop(run: Run) -> str:
 
 
 def _md(text: str) -> str:
-    return text.replace("\n", "  \n")
+    """Text for Markdown: underscores and asterisks outside `code` kept literal, newlines as line breaks."""
+    parts = text.split("`")
+    parts[::2] = [re.sub(r"([_*])", r"\\\1", p) for p in parts[::2]]
+    return "`".join(parts).replace("\n", "  \n")
 
 
 # ---- running it ------------------------------------------------------------------------------------------
@@ -1216,12 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(ns.script):
         print(f"ddp_helpers check: no such script: {ns.script}", file=sys.stderr)
         return 2
-    world = f"{ns.nproc_per_node * ns.nnodes} ranks ({ns.nnodes} node(s) x {ns.nproc_per_node})"
-    print(
-        f"ddp_helpers check: running {ns.script} on {world}, up to {ns.steps} steps",
-        file=sys.stderr,
-        flush=True,
-    )
+    if min(ns.nnodes, ns.nproc_per_node, ns.steps) >= 1:  # else check() refuses, and says why
+        world = f"{ns.nproc_per_node * ns.nnodes} ranks ({ns.nnodes} node(s) x {ns.nproc_per_node})"
+        print(f"ddp_helpers check: running {ns.script} on {world}, up to {ns.steps} steps", file=sys.stderr)
     try:
         report = check(
             ns.script,
