@@ -26,10 +26,13 @@ _EXPORTS = {
     "choose_backend": "ddp_helpers.environment",
     "series_folder": "ddp_helpers.environment",
     "make_image_folder": "ddp_helpers.datasets",
+    "check": "ddp_helpers.checker",
+    "CheckReport": "ddp_helpers.checker",
 }
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads each name on first use
+    from ddp_helpers.checker import CheckReport, check  # noqa: F401
     from ddp_helpers.datasets import make_image_folder  # noqa: F401
     from ddp_helpers.environment import choose_backend, describe_environment, series_folder  # noqa: F401
     from ddp_helpers.launcher import torchrun  # noqa: F401

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_helpers import launcher
+from ddp_helpers import checker, launcher
 from ddp_helpers.launcher import LAUNCH_TIMEOUT, LaunchOptions, TorchrunError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:  # python -m ddp_helpers check [OPTIONS] SCRIPT [ARGS]: checker.main
+        return checker.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m ddp_helpers",
         description="Run SCRIPT under torchrun with each rank's output prefixed [rank N]; "
