@@ -30,6 +30,7 @@ CHAIN = [
     "08_real_training_script",
     "09_errors_learners_meet",
     "11_more_errors",
+    "12_check_your_script",
     "00_quickstart",
 ]
 SECTION_LINK = re.compile(r"\[(\d\d) §(\d+[a-z]?)\]\((\d\d_\w+\.ipynb)\)")
