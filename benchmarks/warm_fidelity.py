@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from ddp_helpers import TorchrunError, make_image_folder, torchrun
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -58,7 +61,9 @@ def outcome(script: str, *args: str, warm: bool, fresh: list[str] = (), **kwargs
         path = NOTEBOOKS / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     try:
-        result = torchrun(f"scripts/{script}", *args, live=False, warm=warm, **{"timeout": 300, **kwargs})
+        # a case with a folder of its own (cwd=) names the script by its absolute path, as notebook 12 does
+        path = str(NOTEBOOKS / "scripts" / script) if "cwd" in kwargs else f"scripts/{script}"
+        result = torchrun(path, *args, live=False, warm=warm, **{"timeout": 300, **kwargs})
     except TorchrunError as err:
         # The exception of the rank blamed, the first to fail; not which rank that was when several raise at
         # once, nor what the others did: a peer that torchrun stops may raise first (gloo's "Connection closed
@@ -171,7 +176,36 @@ CASES = [  # (script, args, launch keywords, folders to clear before each launch
         {"nproc_per_node": 2, "backend": "gloo"},
         ["runs/fidelity11"],
     ),
+    # Notebook 12: the seed post's script (it stops where there is no GPU, as notebook 12 shows) and the fixed
+    # one, both in a folder holding what they read (seed_post_folder); and the exercise's script.
+    (
+        "12_seed_post.py",
+        ["--world_size", "2", "--epochs", "1", "--batchsize", "8"],
+        {"nproc_per_node": 2, "cwd": "runs/fidelity12"},
+        [],
+    ),
+    (
+        "12_seed_fixed.py",
+        ["--epochs", "1", "--batchsize", "8"],
+        {"nproc_per_node": 2, "backend": "gloo", "cwd": "runs/fidelity12"},
+        [],
+    ),
+    (
+        "12_exercise.py",
+        ["--checkpoint", "runs/fidelity12/exercise/checkpoint.pt"],
+        {"nproc_per_node": 2, "backend": "gloo"},
+        ["runs/fidelity12/exercise"],
+    ),
 ]
+
+
+def seed_post_folder(folder: str) -> None:
+    """What notebook 12's post_folder gives the seed post's scripts: shared/ and the D.pth snippet 6 loads."""
+    torch.manual_seed(0)
+    # the scripts' Model, saved as the post's DDP model saves it: every key under "module."
+    pretrained = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    os.makedirs(os.path.join(folder, "shared"), exist_ok=True)
+    torch.save({"module." + k: v for k, v in pretrained.state_dict().items()}, os.path.join(folder, "D.pth"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(NOTEBOOKS)
     make_image_folder("data/shapes", num_classes=4, images_per_class=5, size=16, seed=0)
     make_image_folder("data/capstone", num_classes=4, images_per_class=64, size=16, seed=0, val_fraction=0.25)
+    seed_post_folder("runs/fidelity12")
     differ = 0
     cases = [case for case in CASES if case[0].startswith(args.only)]
     for script, script_args, kwargs, fresh in cases:
