@@ -951,6 +951,17 @@ def no_destroy(run: Run) -> Verdict:
     return "the run failed before the script's end"
 
 
+# Failures whose text says which section proves them: (what the error says, the fix, the section).
+KNOWN_FAILURES = (
+    (
+        "rank parameter missing",
+        "init_process_group was given no rank (a --local_rank argument torchrun never passes, left at -1): "
+        "read the rank from the environment, and let env:// do it: init_process_group(backend)",
+        "notebooks/05_launching.ipynb §3",
+    ),
+)
+
+
 def script_failed(run: Run, explained: bool) -> Verdict:
     """A failure none of the other checks explains: the launcher's message, the rank's own traceback."""
     if run.failure is None and run.stuck is None:
@@ -972,15 +983,22 @@ def script_failed(run: Run, explained: bool) -> Verdict:
     trace = [t for t in trace if "_check_rank.py" not in t]
     first = (run.failure or "").splitlines()[0] if run.failure else "the script failed"
     evidence = first + ("\n" + "\n".join(trace) if trace else "")
+    fix, see = (
+        "fix the error in the traceback; run the script with ddp_helpers.torchrun(...) to see every "
+        "rank's output as it runs",
+        "notebooks/00_start_here.ipynb §6",
+    )
+    for said, known_fix, known_see in KNOWN_FAILURES:
+        if said in (text or "") or said in evidence:
+            fix, see = known_fix, known_see
     return [
         Finding(
             "script-failed",
             "error",
             [rank] if rank is not None else [],
             evidence,
-            "fix the error in the traceback; run the script with ddp_helpers.torchrun(...) to see every "
-            "rank's output as it runs",
-            "notebooks/00_start_here.ipynb §6",
+            fix,
+            see,
         )
     ]
 

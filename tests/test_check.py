@@ -434,6 +434,16 @@ def test_a_failure_nothing_else_explains_shows_the_ranks_traceback():
     assert found.ranks == [1] and found.evidence.endswith("IndexError: list index out of range")
 
 
+def test_a_failure_the_series_reproduces_points_to_its_section():
+    said = "ValueError: Error initializing torch.distributed using file:// rendezvous: rank parameter missing"
+    stderr = {0: ["Traceback (most recent call last):", said]}
+    events = clean_events(world_size=2)
+    events[0][-1] = ev("end", how="exception", type="ValueError", message="rank parameter missing", line=20)
+    run = made_up(events, world_size=2, failed_rank=0, failure="rank 0 raised ValueError", stderr=stderr)
+    found = analyse(run).finding("script-failed")
+    assert found.see == "notebooks/05_launching.ipynb §3" and "env://" in found.fix, found
+
+
 def test_a_peer_failing_after_the_check_stopped_the_others_is_not_the_scripts_failure():
     events = clean_events(world_size=2)
     events[0][-1] = ev("end", how="stopped", step=8, group_alive=True)
