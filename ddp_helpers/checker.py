@@ -589,18 +589,25 @@ def _buffers_differ(run: Run) -> Finding | None:
     )
 
 
+def _disagreement(at: Mapping[int, Mapping[str, str]]) -> tuple[list[str], list[list[int]]] | None:
+    """Where the ranks' digests of one moment differ: (the tensors that differ, the groups of ranks that
+    agree), or None when they all agree (or fewer than two ranks made them)."""
+    if len(at) < 2:
+        return None
+    names = sorted({n for d in at.values() for n in d if len({d2.get(n) for d2 in at.values()}) > 1})
+    if not names:
+        return None
+    key = {r: tuple(d.get(n) for n in names) for r, d in at.items()}
+    return names, [sorted(r for r in at if key[r] == k) for k in dict.fromkeys(key.values())]
+
+
 def _first_difference(steps: Mapping[int, Mapping[int, Mapping[str, str]]]) -> tuple | None:
     """The first step at which some tensor's digest differs across the ranks that made it: (step, the tensors
     that differ, the groups of ranks that agree)."""
     for step in sorted(set().union(*[set(s) for s in steps.values()])):
-        at = {r: s[step] for r, s in steps.items() if step in s}
-        if len(at) < 2:
-            continue
-        names = sorted({n for d in at.values() for n in d if len({d2.get(n) for d2 in at.values()}) > 1})
-        if names:
-            key = {r: tuple(d.get(n) for n in names) for r, d in at.items()}
-            groups = [sorted(r for r in at if key[r] == k) for k in dict.fromkeys(key.values())]
-            return step, names, groups
+        found = _disagreement({r: s[step] for r, s in steps.items() if step in s})
+        if found:
+            return step, *found
     return None
 
 
@@ -611,13 +618,9 @@ def _buffer_difference(run: Run) -> tuple | None:
         for e in evs:
             by_key[(e["model"], e["n"])].setdefault(r, e["digests"])
     for (model, n), at in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if len(at) < 2:
-            continue
-        names = sorted({k for d in at.values() for k in d if len({d2.get(k) for d2 in at.values()}) > 1})
-        if names:
-            key = {r: tuple(d.get(k) for k in names) for r, d in at.items()}
-            groups = [sorted(r for r in at if key[r] == k) for k in dict.fromkeys(key.values())]
-            return model, n, names, groups
+        found = _disagreement(at)
+        if found:
+            return model, n, *found
     return None
 
 
